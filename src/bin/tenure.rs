@@ -1,0 +1,165 @@
+//! The `tenure` binary: `serve` runs a coordinator node, `demo` runs a whole cluster with
+//! workers in one process, `ctl` shows a cluster's members, leader and partition table.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+use tenure::ids::NodeId;
+use tenure::server::{self, NodeConfig};
+
+#[derive(Parser)]
+#[command(
+    name = "tenure",
+    version,
+    about = "Partition-ownership coordinator: per-partition leases and fencing tokens"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one coordinator node.
+    Serve(ServeArgs),
+    /// Start a 3-node cluster and a few workers in this process and narrate what happens.
+    Demo(DemoArgs),
+    /// Inspect a running cluster.
+    Ctl(CtlArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// This node's id (1, 2, ...); must appear in --peers.
+    #[arg(long, env = "TENURE_NODE_ID")]
+    id: NodeId,
+    /// Every voter as id=host:port, comma separated, e.g. 1=127.0.0.1:7001,2=127.0.0.1:7002.
+    #[arg(long, env = "TENURE_PEERS", value_parser = parse_peer, value_delimiter = ',', required = true)]
+    peers: Vec<(NodeId, String)>,
+    /// Address to listen on; defaults to this node's address in --peers.
+    #[arg(long, env = "TENURE_LISTEN")]
+    listen: Option<SocketAddr>,
+    /// Directory for this node's RocksDB data.
+    #[arg(long, env = "TENURE_DATA_DIR")]
+    data_dir: PathBuf,
+    /// Partitions in the key space (fixed when the cluster is created).
+    #[arg(long, env = "TENURE_PARTITIONS", default_value_t = 256)]
+    partitions: u32,
+    /// Lease TTL in milliseconds (fixed when the cluster is created).
+    #[arg(long, env = "TENURE_LEASE_TTL_MS", default_value_t = 5000)]
+    lease_ttl_ms: u64,
+    /// Raft election timeout (lower bound) in milliseconds.
+    #[arg(long, env = "TENURE_ELECTION_TIMEOUT_MS", default_value_t = 500)]
+    election_timeout_ms: u64,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long, env = "TENURE_METRICS_LISTEN")]
+    metrics_listen: Option<SocketAddr>,
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Partitions in the demo cluster.
+    #[arg(long, default_value_t = 12)]
+    partitions: u32,
+    /// Lease TTL in milliseconds.
+    #[arg(long, default_value_t = 1500)]
+    lease_ttl_ms: u64,
+}
+
+#[derive(Args)]
+struct CtlArgs {
+    /// Coordinator addresses (host:port), comma separated.
+    #[arg(long, env = "TENURE_COORDINATORS", value_delimiter = ',', required = true)]
+    coordinators: Vec<String>,
+    #[command(subcommand)]
+    what: CtlCommand,
+}
+
+#[derive(Subcommand)]
+enum CtlCommand {
+    /// Members, leader, sessions and the partition table.
+    Status,
+}
+
+fn parse_peer(s: &str) -> Result<(NodeId, String), String> {
+    let (id, addr) = s.split_once('=').ok_or_else(|| format!("expected id=host:port, got {s:?}"))?;
+    let id: NodeId = id.trim().parse().map_err(|_| format!("bad node id in {s:?}"))?;
+    let addr = addr.trim();
+    addr.parse::<SocketAddr>().map_err(|_| format!("bad address in {s:?} (expected ip:port)"))?;
+    Ok((id, addr.to_string()))
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let default_level = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn,openraft=off",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::Serve(args) => serve(args).await,
+        Command::Demo(args) => {
+            tenure::demo::run(
+                args.partitions,
+                Duration::from_millis(args.lease_ttl_ms),
+                &mut std::io::stdout(),
+            )
+            .await
+        }
+        Command::Ctl(args) => ctl(args).await,
+    }
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let mut peers = BTreeMap::new();
+    for (id, addr) in args.peers {
+        if peers.insert(id, addr).is_some() {
+            bail!("node id {id} appears twice in --peers");
+        }
+    }
+    let advertised = peers.get(&args.id).with_context(|| format!("node id {} is not in --peers", args.id))?;
+    let listen = match args.listen {
+        Some(a) => a,
+        None => advertised.parse().context("this node's address in --peers")?,
+    };
+    let mut config = NodeConfig::new(args.id, peers, args.data_dir);
+    config.partition_count = args.partitions;
+    config.lease_ttl = Duration::from_millis(args.lease_ttl_ms);
+    config.election_timeout = Duration::from_millis(args.election_timeout_ms);
+    config.validate()?;
+    if let Some(addr) = args.metrics_listen {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .context("starting the metrics endpoint")?;
+    }
+    let listener =
+        tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+    let node = server::start(config, listener).await?;
+    tracing::info!(addr = %node.addr, "serving");
+    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
+    tracing::info!("shutting down");
+    node.shutdown().await;
+    Ok(())
+}
+
+async fn ctl(args: CtlArgs) -> Result<()> {
+    let client = tenure::worker::Client::new(args.coordinators)?;
+    match args.what {
+        CtlCommand::Status => {
+            let status =
+                client.call(|mut c| async move { c.status(tenure::proto::StatusRequest {}).await }).await?;
+            print!("{}", tenure::demo::render_status(&status));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,210 @@
+//! `tenure demo`: a 3-node cluster and four workers in one process, on loopback, with a
+//! temporary data directory. Workers join, one more joins, one leaves, one dies; every ownership
+//! change is printed with its token as the workers see it.
+
+use crate::local_cluster::LocalCluster;
+use crate::proto::StatusResponse;
+use crate::worker::{Worker, WorkerConfig, WorkerEvent};
+use anyhow::{bail, Context, Result};
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// Runs the demo, writing its narration to `out`.
+pub async fn run(partitions: u32, ttl: Duration, out: &mut (dyn Write + Send)) -> Result<()> {
+    let dir = tempfile::tempdir().context("creating a temporary data directory")?;
+    let start = Instant::now();
+    let cluster = LocalCluster::start(3, dir.path(), |c| {
+        c.partition_count = partitions;
+        c.lease_ttl = ttl;
+        c.election_timeout = Duration::from_millis(300);
+        c.raft_heartbeat_interval = Duration::from_millis(60);
+    })
+    .await?;
+    let leader = cluster.wait_for_leader(Duration::from_secs(10)).await.context("no leader elected")?;
+    writeln!(out, "3 coordinator nodes on {}; node {leader} leads", cluster.addrs().join(", "))?;
+    writeln!(
+        out,
+        "{partitions} partitions, lease TTL {} ms, data in a temporary directory\n",
+        ttl.as_millis()
+    )?;
+
+    let log: Log = Arc::new(Mutex::new(Vec::new()));
+    let mut workers = BTreeMap::new();
+    for name in ["w1", "w2", "w3"] {
+        workers.insert(name, spawn_worker(&cluster, name, start, log.clone()).await?);
+    }
+    settle(&cluster, 3, out, &log, "w1, w2 and w3 join").await?;
+
+    workers.insert("w4", spawn_worker(&cluster, "w4", start, log.clone()).await?);
+    settle(&cluster, 4, out, &log, "w4 joins: only what balance requires moves to it").await?;
+
+    let w2 = workers.remove("w2").expect("w2 is running");
+    w2.leave().await.context("w2 leaving")?;
+    settle(&cluster, 3, out, &log, "w2 leaves gracefully: its partitions are released and granted again")
+        .await?;
+
+    let w3 = workers.remove("w3").expect("w3 is running");
+    let died = Instant::now();
+    drop(w3);
+    settle(
+        &cluster,
+        2,
+        out,
+        &log,
+        "w3 dies (stops heartbeating): after the TTL its partitions are granted elsewhere",
+    )
+    .await?;
+    writeln!(
+        out,
+        "   (w3's partitions were owned again {:.2}s after it died)\n",
+        died.elapsed().as_secs_f64()
+    )?;
+
+    let status = cluster.status().await?;
+    write!(out, "{}", render_status(&status))?;
+    for (_, w) in workers {
+        w.leave().await.ok();
+    }
+    cluster.shutdown().await;
+    Ok(())
+}
+
+async fn spawn_worker(
+    cluster: &LocalCluster,
+    name: &'static str,
+    start: Instant,
+    log: Log,
+) -> Result<Arc<Worker>> {
+    let mut worker = Worker::join(WorkerConfig::new(cluster.addrs(), name)).await?;
+    let mut events = worker.events();
+    let worker = Arc::new(worker);
+    let handle = Arc::downgrade(&worker);
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            let t = start.elapsed().as_secs_f64();
+            let line = match &event {
+                WorkerEvent::Assigned { partition, token, range, .. } => {
+                    format!("t={t:6.2}s  {name} assigned {partition:>4} token={token:<4} hashes {:#018x}..={:#018x}", range.start, range.end)
+                }
+                WorkerEvent::Revoking { partition, token } => {
+                    format!("t={t:6.2}s  {name} revoking {partition:>4} token={token}")
+                }
+                WorkerEvent::Released { partition, token } => {
+                    format!("t={t:6.2}s  {name} released {partition:>4} token={token}")
+                }
+                WorkerEvent::Lost { partition, token, reason } => {
+                    format!("t={t:6.2}s  {name} lost     {partition:>4} token={token} ({reason:?})")
+                }
+                WorkerEvent::SessionEnded { reason } => format!("t={t:6.2}s  {name} session ended: {reason}"),
+            };
+            log.lock().expect("log lock").push(line);
+            // A revoked partition is handed back at once (a real worker would checkpoint first).
+            if let WorkerEvent::Revoking { partition, .. } = event {
+                if let Some(w) = handle.upgrade() {
+                    let _ = w.release(&[partition]).await;
+                }
+            }
+        }
+    });
+    Ok(worker)
+}
+
+/// Waits until every partition is owned, none is revoking, and `sessions` live sessions hold a
+/// balanced share; then prints what happened meanwhile.
+async fn settle(
+    cluster: &LocalCluster,
+    sessions: usize,
+    out: &mut (dyn Write + Send),
+    log: &Log,
+    title: &str,
+) -> Result<()> {
+    writeln!(out, "== {title}")?;
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(status) = cluster.status().await {
+            if is_settled(&status, sessions) {
+                break;
+            }
+        }
+        if Instant::now() > until {
+            bail!("the cluster did not settle within 30 s");
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    // Let the workers' own confirmations arrive (one heartbeat), then print.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    for line in log.lock().expect("log lock").drain(..) {
+        writeln!(out, "{line}")?;
+    }
+    writeln!(out)?;
+    Ok(())
+}
+
+/// Every partition owned and not revoking, by exactly `sessions` live sessions, within one.
+pub fn is_settled(status: &StatusResponse, sessions: usize) -> bool {
+    let live: Vec<_> = status.sessions.iter().filter(|s| !s.leaving).collect();
+    if live.len() != sessions || status.partitions.is_empty() {
+        return false;
+    }
+    if status.partitions.iter().any(|p| p.owner == 0 || p.revoking) {
+        return false;
+    }
+    let counts: Vec<u32> = live.iter().map(|s| s.owned).collect();
+    let (min, max) = (counts.iter().min().copied().unwrap_or(0), counts.iter().max().copied().unwrap_or(0));
+    max - min <= 1 && status.sessions.len() == sessions
+}
+
+/// The status as a table for operators.
+pub fn render_status(status: &StatusResponse) -> String {
+    let mut s = String::new();
+    use std::fmt::Write as _;
+    let _ = writeln!(
+        s,
+        "node {} answering; leader: node {} ({})",
+        status.node_id, status.leader_id, status.leader_addr
+    );
+    let _ = writeln!(
+        s,
+        "nodes: {}",
+        status.nodes.iter().map(|n| format!("{}={}", n.id, n.addr)).collect::<Vec<_>>().join(", ")
+    );
+    let _ = writeln!(
+        s,
+        "{} partitions, lease TTL {} ms, last applied index {}",
+        status.partition_count, status.lease_ttl_ms, status.last_applied
+    );
+    let _ = writeln!(s, "sessions:");
+    for sess in &status.sessions {
+        let _ = writeln!(
+            s,
+            "  s{:<5} {:<12} weight {:<3} owns {:<5}{}",
+            sess.id,
+            sess.name,
+            sess.weight,
+            sess.owned,
+            if sess.leaving { " (leaving)" } else { "" }
+        );
+    }
+    let names: BTreeMap<u64, &str> = status.sessions.iter().map(|x| (x.id, x.name.as_str())).collect();
+    let _ = writeln!(s, "partitions:");
+    for row in &status.partitions {
+        let owner = if row.owner == 0 {
+            "-".to_string()
+        } else {
+            format!("{} (s{})", names.get(&row.owner).unwrap_or(&"?"), row.owner)
+        };
+        let _ = writeln!(
+            s,
+            "  p{:<6} owner {:<16} token {:<6}{}",
+            row.partition,
+            owner,
+            row.token,
+            if row.revoking { " revoking" } else { "" }
+        );
+    }
+    s
+}

@@ -1,0 +1,79 @@
+//! An in-memory fenced store, for tests and examples.
+
+use super::{FenceError, FenceStore, FenceTable};
+use crate::ids::{FencingToken, PartitionId};
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Everything behind one std mutex: nothing awaits while it is held, and one lock makes the
+/// check and the write a single step.
+#[derive(Debug, Default)]
+pub struct MemoryFence {
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    fences: FenceTable,
+    data: HashMap<(PartitionId, Vec<u8>), Vec<u8>>,
+    checkpoints: HashMap<PartitionId, Vec<u8>>,
+}
+
+impl MemoryFence {
+    fn with<T>(&self, f: impl FnOnce(&mut Inner) -> Result<T, FenceError>) -> Result<T, FenceError> {
+        let mut inner = self.inner.lock().map_err(|_| FenceError::Backend("lock poisoned".into()))?;
+        f(&mut inner)
+    }
+}
+
+impl FenceStore for MemoryFence {
+    async fn raise(&self, partition: PartitionId, token: FencingToken) -> Result<(), FenceError> {
+        self.with(|i| i.fences.admit(partition, token))
+    }
+
+    async fn write(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<(), FenceError> {
+        self.with(|i| {
+            i.fences.admit(partition, token)?;
+            i.data.insert((partition, key.to_vec()), value.to_vec());
+            Ok(())
+        })
+    }
+
+    async fn read(&self, partition: PartitionId, key: &[u8]) -> Result<Option<Vec<u8>>, FenceError> {
+        self.with(|i| Ok(i.data.get(&(partition, key.to_vec())).cloned()))
+    }
+
+    async fn save_checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        checkpoint: &[u8],
+    ) -> Result<(), FenceError> {
+        self.with(|i| {
+            i.fences.admit(partition, token)?;
+            i.checkpoints.insert(partition, checkpoint.to_vec());
+            Ok(())
+        })
+    }
+
+    async fn checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> Result<Option<Vec<u8>>, FenceError> {
+        self.with(|i| {
+            i.fences.check(partition, token)?;
+            Ok(i.checkpoints.get(&partition).cloned())
+        })
+    }
+
+    async fn highest(&self, partition: PartitionId) -> Result<Option<FencingToken>, FenceError> {
+        self.with(|i| Ok(i.fences.highest(partition)))
+    }
+}

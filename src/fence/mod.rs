@@ -1,0 +1,147 @@
+//! Storage-side fencing: the check that makes a stale owner harmless.
+//!
+//! A lease tells a worker when to stop, but a worker that was paused (a GC pause, SIGSTOP, a
+//! migrated VM) does not know it was paused. So storage decides: every write carries the
+//! partition's fencing token, and storage accepts it iff `token >= highest[p]`, then raises
+//! `highest[p]` to `token`. It is `>=`, not `>`: the current owner writes many times under one
+//! token. The check and the write are one atomic step in every backend.
+//!
+//! "Lower than the highest seen" alone leaves a hole: a paused old owner that wakes after the new
+//! grant but before the new owner's first write still gets in. So a new owner first
+//! [raises the fence](FenceStore::raise) to its token, which writes no data, and only then reads
+//! the state it resumes from ([`FenceStore::checkpoint`]). From then on the old owner is
+//! rejected, and the new owner's view of the data cannot change behind its back.
+//!
+//! Architecture invariant: this module depends only on the core identifier types. It uses no
+//! Raft, no gRPC, no coordinator code, so a storage service that only checks tokens builds
+//! without them.
+//!
+//! ```
+//! # tokio_test_block_on(async {
+//! use tenure::fence::{FenceStore, MemoryFence, FenceError};
+//! use tenure::ids::{FencingToken, PartitionId};
+//! let store = MemoryFence::default();
+//! let p = PartitionId(7);
+//! store.write(p, FencingToken(10), b"k", b"from the old owner").await.unwrap();
+//! store.raise(p, FencingToken(12)).await.unwrap();           // the new owner fences first
+//! let err = store.write(p, FencingToken(10), b"k", b"late").await.unwrap_err();
+//! assert!(matches!(err, FenceError::Stale { highest: FencingToken(12), .. }));
+//! # });
+//! # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+//! # }
+//! ```
+
+mod memory;
+#[cfg(feature = "fence-postgres")]
+mod postgres;
+#[cfg(feature = "fence-rocksdb")]
+mod rocks;
+
+pub use memory::MemoryFence;
+#[cfg(feature = "fence-postgres")]
+pub use postgres::PostgresFence;
+#[cfg(feature = "fence-rocksdb")]
+pub use rocks::RocksFence;
+
+use crate::ids::{FencingToken, PartitionId};
+use std::collections::HashMap;
+use std::future::Future;
+
+/// Why a fenced operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FenceError {
+    /// A newer owner has been seen for this partition: the writer lost it and must stop.
+    #[error("stale token {token} for {partition}: highest seen is {highest}")]
+    Stale { partition: PartitionId, token: FencingToken, highest: FencingToken },
+    /// The backend failed; nothing was written.
+    #[error("fenced store failed: {0}")]
+    Backend(String),
+}
+
+/// The rule, once: accept iff `token >= highest`.
+pub fn admits(highest: Option<FencingToken>, token: FencingToken) -> bool {
+    highest.is_none_or(|h| token >= h)
+}
+
+/// The highest token seen per partition, with the check in one place. Backends that keep their
+/// table in memory use it; SQL backends express the same rule in the statement.
+#[derive(Clone, Debug, Default)]
+pub struct FenceTable {
+    highest: HashMap<PartitionId, FencingToken>,
+}
+
+impl FenceTable {
+    pub fn highest(&self, partition: PartitionId) -> Option<FencingToken> {
+        self.highest.get(&partition).copied()
+    }
+
+    /// Checks `token` and, if admitted, raises the partition's fence to it.
+    pub fn admit(&mut self, partition: PartitionId, token: FencingToken) -> Result<(), FenceError> {
+        let highest = self.highest(partition);
+        if !admits(highest, token) {
+            return Err(FenceError::Stale { partition, token, highest: highest.unwrap_or_default() });
+        }
+        self.highest.insert(partition, token);
+        Ok(())
+    }
+
+    /// Checks `token` without raising anything.
+    pub fn check(&self, partition: PartitionId, token: FencingToken) -> Result<(), FenceError> {
+        let highest = self.highest(partition);
+        if admits(highest, token) {
+            Ok(())
+        } else {
+            Err(FenceError::Stale { partition, token, highest: highest.unwrap_or_default() })
+        }
+    }
+}
+
+/// A store that checks fencing tokens. Every method that takes a token checks it and raises the
+/// partition's fence in the same atomic step as its write.
+pub trait FenceStore: Send + Sync {
+    /// Raises the partition's fence to `token` without writing data (fence-before-resume).
+    fn raise(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<(), FenceError>> + Send;
+
+    /// Writes `key = value` in the partition's key space under `token`.
+    fn write(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        key: &[u8],
+        value: &[u8],
+    ) -> impl Future<Output = Result<(), FenceError>> + Send;
+
+    /// Reads a key (no token needed: reads cannot corrupt).
+    fn read(
+        &self,
+        partition: PartitionId,
+        key: &[u8],
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, FenceError>> + Send;
+
+    /// Stores the partition's checkpoint (say, the last committed offset) under `token`.
+    fn save_checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        checkpoint: &[u8],
+    ) -> impl Future<Output = Result<(), FenceError>> + Send;
+
+    /// The partition's checkpoint, after checking that `token` is still admitted, so a new owner
+    /// that raised its fence reads state no stale owner can change any more.
+    fn checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> impl Future<Output = Result<Option<Vec<u8>>, FenceError>> + Send;
+
+    /// The highest token the store has seen for the partition.
+    fn highest(
+        &self,
+        partition: PartitionId,
+    ) -> impl Future<Output = Result<Option<FencingToken>, FenceError>> + Send;
+}

@@ -1,0 +1,186 @@
+//! A fenced store on PostgreSQL. The rule lives in the statement: the fence row is raised with a
+//! conditional upsert (`... WHERE fence_token <= $token`), and one row affected means the write
+//! is in. The data write happens in the same transaction, so both commit or neither does.
+
+use super::{FenceError, FenceStore};
+use crate::ids::{FencingToken, PartitionId};
+use tokio::sync::Mutex;
+use tokio_postgres::{Client, NoTls, Transaction};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS tenure_fence (
+    partition   integer PRIMARY KEY,
+    fence_token bigint NOT NULL,
+    checkpoint  bytea
+);
+CREATE TABLE IF NOT EXISTS tenure_data (
+    partition integer NOT NULL,
+    key       bytea   NOT NULL,
+    value     bytea   NOT NULL,
+    PRIMARY KEY (partition, key)
+);";
+
+const RAISE: &str = "
+INSERT INTO tenure_fence (partition, fence_token) VALUES ($1, $2)
+ON CONFLICT (partition) DO UPDATE SET fence_token = EXCLUDED.fence_token
+WHERE tenure_fence.fence_token <= EXCLUDED.fence_token";
+
+/// One connection behind an async mutex: a transaction needs it exclusively.
+pub struct PostgresFence {
+    client: Mutex<Client>,
+}
+
+fn db(e: tokio_postgres::Error) -> FenceError {
+    FenceError::Backend(e.to_string())
+}
+
+fn sql_partition(p: PartitionId) -> Result<i32, FenceError> {
+    i32::try_from(p.0).map_err(|_| FenceError::Backend(format!("{p} does not fit an integer column")))
+}
+
+fn sql_token(t: FencingToken) -> Result<i64, FenceError> {
+    i64::try_from(t.0).map_err(|_| FenceError::Backend(format!("token {t} does not fit a bigint column")))
+}
+
+impl PostgresFence {
+    /// Connects with a libpq-style string (`host=127.0.0.1 user=postgres dbname=tenure`) and
+    /// creates the tables when missing.
+    pub async fn connect(config: &str) -> Result<PostgresFence, FenceError> {
+        let (client, connection) = tokio_postgres::connect(config, NoTls).await.map_err(db)?;
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::warn!(error = %e, "postgres connection ended");
+            }
+        });
+        client.batch_execute(SCHEMA).await.map_err(db)?;
+        Ok(PostgresFence { client: Mutex::new(client) })
+    }
+
+    /// Raises the fence inside `tx`; a stale token rolls nothing forward.
+    async fn raise_in(tx: &Transaction<'_>, p: PartitionId, token: FencingToken) -> Result<(), FenceError> {
+        let rows = tx.execute(RAISE, &[&sql_partition(p)?, &sql_token(token)?]).await.map_err(db)?;
+        if rows == 1 {
+            return Ok(());
+        }
+        let highest: i64 = tx
+            .query_one("SELECT fence_token FROM tenure_fence WHERE partition = $1", &[&sql_partition(p)?])
+            .await
+            .map_err(db)?
+            .get(0);
+        Err(FenceError::Stale { partition: p, token, highest: FencingToken(highest as u64) })
+    }
+
+    async fn fenced<F>(&self, p: PartitionId, token: FencingToken, then: F) -> Result<(), FenceError>
+    where
+        F: for<'a> FnOnce(
+            &'a Transaction<'a>,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<(), FenceError>> + Send + 'a>,
+        >,
+    {
+        let mut client = self.client.lock().await;
+        let tx = client.transaction().await.map_err(db)?;
+        Self::raise_in(&tx, p, token).await?;
+        then(&tx).await?;
+        tx.commit().await.map_err(db)
+    }
+}
+
+impl FenceStore for PostgresFence {
+    async fn raise(&self, partition: PartitionId, token: FencingToken) -> Result<(), FenceError> {
+        self.fenced(partition, token, |_| Box::pin(async { Ok(()) })).await
+    }
+
+    async fn write(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<(), FenceError> {
+        let (p, key, value) = (sql_partition(partition)?, key.to_vec(), value.to_vec());
+        self.fenced(partition, token, move |tx| {
+            Box::pin(async move {
+                tx.execute(
+                    "INSERT INTO tenure_data (partition, key, value) VALUES ($1, $2, $3)
+                     ON CONFLICT (partition, key) DO UPDATE SET value = EXCLUDED.value",
+                    &[&p, &key, &value],
+                )
+                .await
+                .map_err(db)?;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    async fn read(&self, partition: PartitionId, key: &[u8]) -> Result<Option<Vec<u8>>, FenceError> {
+        let client = self.client.lock().await;
+        let row = client
+            .query_opt(
+                "SELECT value FROM tenure_data WHERE partition = $1 AND key = $2",
+                &[&sql_partition(partition)?, &key],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
+    async fn save_checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        checkpoint: &[u8],
+    ) -> Result<(), FenceError> {
+        let (p, checkpoint) = (sql_partition(partition)?, checkpoint.to_vec());
+        self.fenced(partition, token, move |tx| {
+            Box::pin(async move {
+                tx.execute(
+                    "UPDATE tenure_fence SET checkpoint = $2 WHERE partition = $1",
+                    &[&p, &checkpoint],
+                )
+                .await
+                .map_err(db)?;
+                Ok(())
+            })
+        })
+        .await
+    }
+
+    async fn checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> Result<Option<Vec<u8>>, FenceError> {
+        let client = self.client.lock().await;
+        let row = client
+            .query_opt(
+                "SELECT fence_token, checkpoint FROM tenure_fence WHERE partition = $1",
+                &[&sql_partition(partition)?],
+            )
+            .await
+            .map_err(db)?;
+        match row {
+            None => Ok(None),
+            Some(r) => {
+                let highest = FencingToken(r.get::<_, i64>(0) as u64);
+                if token < highest {
+                    return Err(FenceError::Stale { partition, token, highest });
+                }
+                Ok(r.get(1))
+            }
+        }
+    }
+
+    async fn highest(&self, partition: PartitionId) -> Result<Option<FencingToken>, FenceError> {
+        let client = self.client.lock().await;
+        let row = client
+            .query_opt(
+                "SELECT fence_token FROM tenure_fence WHERE partition = $1",
+                &[&sql_partition(partition)?],
+            )
+            .await
+            .map_err(db)?;
+        Ok(row.map(|r| FencingToken(r.get::<_, i64>(0) as u64)))
+    }
+}

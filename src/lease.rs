@@ -1,0 +1,180 @@
+//! The leader's lease table: one monotonic deadline per session and per revoking partition.
+//!
+//! Leases are judged only here, on the leader's monotonic clock, and never inside the replicated
+//! state machine. The table itself takes `now` as an argument and does no I/O, so it is tested
+//! with made-up instants; the server owns the clock and proposes the expiries it reports.
+//!
+//! Invariants kept here:
+//! - A renewal that arrived at `t_recv` extends its session to `t_recv + ttl`, never backwards.
+//! - Once a session has been reported due for expiry it is never renewed again, so a heartbeat
+//!   racing an expiry cannot be acknowledged after the expiry was decided.
+//! - A revoking partition keeps the deadline its session had when the revoke was applied; later
+//!   heartbeats do not extend it.
+//! - A new leader starts every lease at the moment it took over plus `ttl` ([`LeaseTable::reset`]),
+//!   so it never expires a lease earlier than the old leader could have.
+
+use crate::ids::{PartitionId, SessionId};
+use crate::ownership::{Event, OwnershipState};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+#[derive(Clone, Copy, Debug)]
+struct SessionLease {
+    deadline: Instant,
+    expiring: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct RevokingLease {
+    session: SessionId,
+    deadline: Instant,
+    /// When the revoke was applied, for the move latency.
+    since: Instant,
+    phase: RevokePhase,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum RevokePhase {
+    /// The owner may still release it.
+    Pending,
+    /// Its deadline passed and an expiry was reported.
+    Expiring,
+    /// Released or lost; waiting to be granted again.
+    Gone,
+}
+
+/// Expiries that are due, to be proposed by the leader.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Due {
+    pub sessions: Vec<SessionId>,
+    pub revoking: Vec<(PartitionId, SessionId)>,
+}
+
+impl Due {
+    pub fn is_empty(&self) -> bool {
+        self.sessions.is_empty() && self.revoking.is_empty()
+    }
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct LeaseTable {
+    ttl: Duration,
+    sessions: HashMap<SessionId, SessionLease>,
+    revoking: HashMap<PartitionId, RevokingLease>,
+}
+
+impl LeaseTable {
+    pub fn new(ttl: Duration) -> Self {
+        LeaseTable { ttl, sessions: HashMap::new(), revoking: HashMap::new() }
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// Starts over on taking leadership: every lease runs until `now + ttl`.
+    pub fn reset(&mut self, now: Instant, state: &OwnershipState) {
+        self.sessions.clear();
+        self.revoking.clear();
+        let deadline = now + self.ttl;
+        for session in state.sessions().keys() {
+            self.sessions.insert(*session, SessionLease { deadline, expiring: false });
+        }
+        for (p, record) in state.partitions().iter().enumerate() {
+            if let (Some(session), true) = (record.owner, record.revoking) {
+                let lease = RevokingLease { session, deadline, since: now, phase: RevokePhase::Pending };
+                self.revoking.insert(PartitionId(p as u32), lease);
+            }
+        }
+    }
+
+    /// Forgets everything (on losing leadership).
+    pub fn clear(&mut self) {
+        self.sessions.clear();
+        self.revoking.clear();
+    }
+
+    /// Follows applied events. Idempotent, so events already reflected by `reset` are harmless.
+    /// Returns, for each partition granted after a revoke, how long it had no usable owner.
+    pub fn observe(&mut self, now: Instant, events: &[Event]) -> Vec<Duration> {
+        let mut moves = Vec::new();
+        for event in events {
+            match event {
+                Event::SessionStarted { session, .. } => {
+                    self.sessions
+                        .entry(*session)
+                        .or_insert(SessionLease { deadline: now + self.ttl, expiring: false });
+                }
+                Event::SessionEnded { session } => {
+                    self.sessions.remove(session);
+                }
+                Event::Revoking { partition, session, .. } => {
+                    let deadline = self.sessions.get(session).map(|l| l.deadline).unwrap_or(now + self.ttl);
+                    self.revoking.entry(*partition).or_insert(RevokingLease {
+                        session: *session,
+                        deadline,
+                        since: now,
+                        phase: RevokePhase::Pending,
+                    });
+                }
+                Event::Released { partition, .. } | Event::Lost { partition, .. } => {
+                    if let Some(lease) = self.revoking.get_mut(partition) {
+                        lease.phase = RevokePhase::Gone;
+                    }
+                }
+                Event::Granted { partition, .. } => {
+                    if let Some(lease) = self.revoking.remove(partition) {
+                        moves.push(now.saturating_duration_since(lease.since));
+                    }
+                }
+            }
+        }
+        moves
+    }
+
+    /// Records a renewal that arrived at `received`. False when the session is unknown to the
+    /// table or already due for expiry: the renewal must then be refused.
+    pub fn renew(&mut self, session: SessionId, received: Instant) -> bool {
+        match self.sessions.get_mut(&session) {
+            Some(lease) if !lease.expiring => {
+                lease.deadline = lease.deadline.max(received + self.ttl);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Whether a renewal for `session` could still succeed (used before the quorum round).
+    pub fn renewable(&self, session: SessionId, now: Instant) -> bool {
+        matches!(self.sessions.get(&session), Some(l) if !l.expiring && l.deadline > now)
+    }
+
+    /// Reports the leases whose deadline has passed. Each is reported until the expiry is applied
+    /// (so a failed proposal is retried), and is never renewed again.
+    pub fn due(&mut self, now: Instant) -> Due {
+        let mut due = Due::default();
+        for (session, lease) in self.sessions.iter_mut() {
+            if lease.expiring || lease.deadline <= now {
+                lease.expiring = true;
+                due.sessions.push(*session);
+            }
+        }
+        for (partition, lease) in self.revoking.iter_mut() {
+            if lease.phase != RevokePhase::Gone && lease.deadline <= now {
+                lease.phase = RevokePhase::Expiring;
+                due.revoking.push((*partition, lease.session));
+            }
+        }
+        due.sessions.sort();
+        due.revoking.sort();
+        due
+    }
+
+    /// The earliest deadline still pending, so the caller knows when to look again.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        let s = self.sessions.values().filter(|l| !l.expiring).map(|l| l.deadline);
+        let r = self.revoking.values().filter(|l| l.phase == RevokePhase::Pending).map(|l| l.deadline);
+        s.chain(r).min()
+    }
+}

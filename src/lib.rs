@@ -1,0 +1,34 @@
+//! tenure: a partition-ownership coordinator.
+//!
+//! The key space is split into partitions; each has one owner at a time, a lease judged by the
+//! coordinator leader, and a fencing token that storage checks. See `ARCHITECTURE.md` for the
+//! code map and the invariants.
+//!
+//! Features: the core types, the key space and the [`fence`] check are always built and pull in
+//! nothing heavy; `fence-rocksdb` and `fence-postgres` add fenced stores; `worker` adds the
+//! worker library; `coordinator` (the default) adds the replicated coordinator and the binary.
+
+pub mod fence;
+pub mod ids;
+pub mod keyspace;
+
+#[cfg(feature = "coordinator")]
+pub mod demo;
+#[cfg(feature = "coordinator")]
+pub mod lease;
+#[cfg(feature = "coordinator")]
+pub mod local_cluster;
+#[cfg(feature = "coordinator")]
+pub mod ownership;
+#[cfg(feature = "coordinator")]
+pub mod placement;
+#[cfg(feature = "worker")]
+pub mod proto;
+#[cfg(feature = "coordinator")]
+pub mod raft;
+#[cfg(feature = "coordinator")]
+pub mod server;
+#[cfg(feature = "coordinator")]
+pub mod store;
+#[cfg(feature = "worker")]
+pub mod worker;

@@ -1,0 +1,138 @@
+//! A coordinator cluster of real nodes in one process, each on its own loopback port with its
+//! own RocksDB directory. Used by `tenure demo`, the cluster tests, examples and benchmarks.
+
+use crate::ids::NodeId;
+use crate::proto;
+use crate::server::{self, NodeConfig, RunningNode};
+use crate::worker::{Client, ClientError};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+
+/// Nodes `1..=n` on `127.0.0.1`, data under one directory.
+pub struct LocalCluster {
+    nodes: BTreeMap<NodeId, Option<RunningNode>>,
+    configs: BTreeMap<NodeId, NodeConfig>,
+    addrs: BTreeMap<NodeId, SocketAddr>,
+}
+
+impl LocalCluster {
+    /// Starts `n` nodes; `tune` adjusts each node's configuration (TTL, partitions, timeouts).
+    pub async fn start(
+        n: u64,
+        dir: &Path,
+        tune: impl Fn(&mut NodeConfig),
+    ) -> Result<LocalCluster, server::NodeError> {
+        let mut listeners = BTreeMap::new();
+        let mut addrs = BTreeMap::new();
+        for id in 1..=n {
+            let listener = TcpListener::bind("127.0.0.1:0")
+                .await
+                .map_err(|e| server::NodeError::Config(e.to_string()))?;
+            addrs.insert(id, listener.local_addr().map_err(|e| server::NodeError::Config(e.to_string()))?);
+            listeners.insert(id, listener);
+        }
+        let peers: BTreeMap<NodeId, String> = addrs.iter().map(|(id, a)| (*id, a.to_string())).collect();
+        let mut cluster = LocalCluster { nodes: BTreeMap::new(), configs: BTreeMap::new(), addrs };
+        for (id, listener) in listeners {
+            let mut config = NodeConfig::new(id, peers.clone(), node_dir(dir, id));
+            tune(&mut config);
+            let running = server::start(config.clone(), listener).await?;
+            cluster.configs.insert(id, config);
+            cluster.nodes.insert(id, Some(running));
+        }
+        Ok(cluster)
+    }
+
+    /// `host:port` of every node, for worker clients.
+    pub fn addrs(&self) -> Vec<String> {
+        self.addrs.values().map(|a| a.to_string()).collect()
+    }
+
+    pub fn addr(&self, id: NodeId) -> SocketAddr {
+        self.addrs[&id]
+    }
+
+    pub fn node(&self, id: NodeId) -> Option<&RunningNode> {
+        self.nodes.get(&id).and_then(|n| n.as_ref())
+    }
+
+    pub fn running(&self) -> impl Iterator<Item = &RunningNode> {
+        self.nodes.values().flatten()
+    }
+
+    /// The node every running node agrees leads, once there is one.
+    pub fn leader(&self) -> Option<NodeId> {
+        let mut seen = None;
+        for node in self.running() {
+            let m = node.raft().metrics().borrow().clone();
+            if m.state == openraft::ServerState::Leader && m.current_leader == Some(node.node.config.id) {
+                seen = Some(node.node.config.id);
+            }
+        }
+        seen
+    }
+
+    /// Waits for a leader, up to `timeout`.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {
+        let until = Instant::now() + timeout;
+        while Instant::now() < until {
+            if let Some(id) = self.leader() {
+                return Some(id);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        None
+    }
+
+    /// Stops a node (as a crash would, minus the unflushed writes: every write is synced).
+    pub async fn stop(&mut self, id: NodeId) {
+        if let Some(node) = self.nodes.get_mut(&id).and_then(Option::take) {
+            node.shutdown().await;
+        }
+    }
+
+    /// Restarts a stopped node on the same address and data directory.
+    pub async fn restart(&mut self, id: NodeId) -> Result<(), server::NodeError> {
+        let listener = bind_again(self.addrs[&id]).await?;
+        let running = server::start(self.configs[&id].clone(), listener).await?;
+        self.nodes.insert(id, Some(running));
+        Ok(())
+    }
+
+    pub async fn shutdown(mut self) {
+        let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
+        for id in ids {
+            self.stop(id).await;
+        }
+    }
+
+    /// The cluster status as the leader (or, without one, the first node) reports it.
+    pub async fn status(&self) -> Result<proto::StatusResponse, ClientError> {
+        let addr = match self.leader() {
+            Some(id) => self.addr(id).to_string(),
+            None => self.addrs()[0].clone(),
+        };
+        let client = Client::new(vec![addr])?;
+        client.call(|mut c| async move { c.status(proto::StatusRequest {}).await }).await
+    }
+}
+
+fn node_dir(dir: &Path, id: NodeId) -> PathBuf {
+    dir.join(format!("node-{id}"))
+}
+
+async fn bind_again(addr: SocketAddr) -> Result<TcpListener, server::NodeError> {
+    // The old listener's port can take a moment to be free again after shutdown.
+    let mut last = None;
+    for _ in 0..50 {
+        match TcpListener::bind(addr).await {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(server::NodeError::Config(format!("cannot bind {addr} again: {:?}", last)))
+}

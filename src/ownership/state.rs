@@ -1,0 +1,385 @@
+//! The ownership table and the pure `apply` that changes it.
+
+use super::command::{Command, Event, LossReason, Rejection, Response};
+use crate::ids::{FencingToken, PartitionId, SessionId};
+use crate::keyspace::KeySpace;
+use crate::placement::{self, Member};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Longest worker name accepted, in bytes.
+pub const MAX_NAME_BYTES: usize = 256;
+
+/// Fixed at cluster creation by the first `Configure`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Config {
+    pub partition_count: u32,
+    pub lease_ttl_ms: u64,
+}
+
+/// One partition's row. `token` is the token of the current grant, or of the last one when the
+/// partition is unowned (0 if it was never granted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartitionRecord {
+    pub owner: Option<SessionId>,
+    pub token: FencingToken,
+    pub revoking: bool,
+}
+
+/// One live session.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub name: String,
+    pub weight: u32,
+    pub secret: String,
+    /// Leaving (or superseded by a newer session of the same name): owns only revoking partitions
+    /// and ends when it owns none.
+    pub leaving: bool,
+}
+
+/// Keys touched since the store last drained them, so it persists only what changed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub partitions: BTreeSet<u32>,
+    pub sessions: BTreeSet<SessionId>,
+    pub meta: bool,
+}
+
+/// The replicated table. See the module docs of [`crate::ownership`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnershipState {
+    config: Option<Config>,
+    partitions: Vec<PartitionRecord>,
+    sessions: BTreeMap<SessionId, SessionRecord>,
+    next_session: u64,
+    #[serde(skip)]
+    changes: Changes,
+}
+
+impl OwnershipState {
+    /// Rebuilds a state from persisted parts (the store's load path).
+    pub fn from_parts(
+        config: Option<Config>,
+        partitions: Vec<PartitionRecord>,
+        sessions: BTreeMap<SessionId, SessionRecord>,
+        next_session: u64,
+    ) -> Self {
+        OwnershipState { config, partitions, sessions, next_session, changes: Changes::default() }
+    }
+
+    pub fn config(&self) -> Option<Config> {
+        self.config
+    }
+    pub fn keyspace(&self) -> Option<KeySpace> {
+        self.config.and_then(|c| KeySpace::new(c.partition_count).ok())
+    }
+    pub fn partitions(&self) -> &[PartitionRecord] {
+        &self.partitions
+    }
+    pub fn partition(&self, p: PartitionId) -> Option<&PartitionRecord> {
+        self.partitions.get(p.0 as usize)
+    }
+    pub fn sessions(&self) -> &BTreeMap<SessionId, SessionRecord> {
+        &self.sessions
+    }
+    pub fn session(&self, s: SessionId) -> Option<&SessionRecord> {
+        self.sessions.get(&s)
+    }
+    pub fn next_session(&self) -> u64 {
+        self.next_session
+    }
+
+    /// Checks a session's secret against the table; used by the server for heartbeats.
+    pub fn authenticate(&self, session: SessionId, secret: &str) -> Result<&SessionRecord, Rejection> {
+        let record = self.sessions.get(&session).ok_or(Rejection::UnknownSession(session))?;
+        if !constant_time_eq(record.secret.as_bytes(), secret.as_bytes()) {
+            return Err(Rejection::WrongSecret(session));
+        }
+        Ok(record)
+    }
+
+    /// Partitions a session owns, with their tokens and revoking flags.
+    pub fn owned_by(&self, session: SessionId) -> Vec<(PartitionId, PartitionRecord)> {
+        self.partitions
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.owner == Some(session))
+            .map(|(p, r)| (PartitionId(p as u32), *r))
+            .collect()
+    }
+
+    /// Takes the set of keys changed since the last call.
+    pub fn take_changes(&mut self) -> Changes {
+        std::mem::take(&mut self.changes)
+    }
+
+    /// Applies one committed command at log index `index`. Deterministic: same state, index and
+    /// command give the same result on every replica. A rejection leaves the state unchanged.
+    pub fn apply(&mut self, index: u64, command: &Command) -> (Response, Vec<Event>) {
+        let mut events = Vec::new();
+        let response = match self.apply_inner(index, command, &mut events) {
+            Ok(response) => {
+                self.reconcile(index, &mut events);
+                response
+            }
+            Err(rejection) => {
+                debug_assert!(events.is_empty(), "a rejected command must not emit events");
+                Response::Rejected(rejection)
+            }
+        };
+        (response, events)
+    }
+
+    fn apply_inner(
+        &mut self,
+        _index: u64,
+        command: &Command,
+        events: &mut Vec<Event>,
+    ) -> Result<Response, Rejection> {
+        match command {
+            Command::Configure { partition_count, lease_ttl_ms } => {
+                self.configure(*partition_count, *lease_ttl_ms)
+            }
+            Command::Join { name, weight, secret } => self.join(name, *weight, secret, events),
+            Command::Release { session, secret, partitions } => {
+                self.release(*session, secret, partitions, events)
+            }
+            Command::ReleaseAll { session, secret } => {
+                self.authenticate(*session, secret)?;
+                self.require_config()?;
+                let mine: Vec<PartitionId> = self.owned_by(*session).into_iter().map(|(p, _)| p).collect();
+                self.release(*session, secret, &mine, events)
+            }
+            Command::Leave { session, secret } => {
+                self.authenticate(*session, secret)?;
+                self.require_config()?;
+                self.mark_leaving(*session);
+                Ok(Response::Left)
+            }
+            Command::Expire { sessions } => {
+                self.require_config()?;
+                let mut lost = 0;
+                for &session in sessions {
+                    if !self.sessions.contains_key(&session) {
+                        continue;
+                    }
+                    lost += self.lose_all(session, LossReason::SessionExpired, events);
+                    self.end_session(session, events);
+                }
+                Ok(Response::Expired { partitions: lost })
+            }
+            Command::ExpireRevoking { partitions } => {
+                self.require_config()?;
+                let mut lost = 0;
+                for &(p, session) in partitions {
+                    let Some(record) = self.partitions.get(p.0 as usize).copied() else {
+                        continue;
+                    };
+                    if record.owner == Some(session) && record.revoking {
+                        self.set_partition(p, PartitionRecord { owner: None, revoking: false, ..record });
+                        events.push(Event::Lost {
+                            partition: p,
+                            session,
+                            token: record.token,
+                            reason: LossReason::RevokeExpired,
+                        });
+                        lost += 1;
+                    }
+                }
+                Ok(Response::Expired { partitions: lost })
+            }
+        }
+    }
+
+    fn require_config(&self) -> Result<Config, Rejection> {
+        self.config.ok_or(Rejection::NotConfigured)
+    }
+
+    fn configure(&mut self, partition_count: u32, lease_ttl_ms: u64) -> Result<Response, Rejection> {
+        if let Some(have) = self.config {
+            if have.partition_count == partition_count && have.lease_ttl_ms == lease_ttl_ms {
+                return Ok(Response::Configured);
+            }
+            return Err(Rejection::ConfigMismatch {
+                have_partitions: have.partition_count,
+                have_ttl_ms: have.lease_ttl_ms,
+                want_partitions: partition_count,
+                want_ttl_ms: lease_ttl_ms,
+            });
+        }
+        KeySpace::new(partition_count).map_err(|e| Rejection::InvalidConfig(e.to_string()))?;
+        if lease_ttl_ms == 0 {
+            return Err(Rejection::InvalidConfig("lease TTL must be positive".into()));
+        }
+        self.config = Some(Config { partition_count, lease_ttl_ms });
+        self.partitions = vec![PartitionRecord::default(); partition_count as usize];
+        self.changes.meta = true;
+        Ok(Response::Configured)
+    }
+
+    fn join(
+        &mut self,
+        name: &str,
+        weight: u32,
+        secret: &str,
+        events: &mut Vec<Event>,
+    ) -> Result<Response, Rejection> {
+        self.require_config()?;
+        if name.is_empty() || name.len() > MAX_NAME_BYTES || name.chars().any(char::is_control) {
+            return Err(Rejection::InvalidName(format!(
+                "must be 1 to {MAX_NAME_BYTES} bytes without control characters"
+            )));
+        }
+        if weight == 0 || weight > placement::MAX_WEIGHT {
+            return Err(Rejection::InvalidWeight(weight));
+        }
+        // A restarted worker is recognised by its name: the older incarnation is superseded and
+        // gives its partitions up the graceful way (revoke, then release or lease expiry), because
+        // it may still be alive and believing in its leases.
+        let superseded = self.sessions.iter().find(|(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s);
+        if let Some(old) = superseded {
+            self.mark_leaving(old);
+        }
+        self.next_session += 1;
+        let session = SessionId(self.next_session);
+        self.changes.meta = true;
+        self.put_session(
+            session,
+            SessionRecord { name: name.to_string(), weight, secret: secret.to_string(), leaving: false },
+        );
+        events.push(Event::SessionStarted { session, name: name.to_string() });
+        Ok(Response::Joined { session, secret: secret.to_string(), superseded })
+    }
+
+    fn release(
+        &mut self,
+        session: SessionId,
+        secret: &str,
+        partitions: &[PartitionId],
+        events: &mut Vec<Event>,
+    ) -> Result<Response, Rejection> {
+        self.authenticate(session, secret)?;
+        let config = self.require_config()?;
+        // Validate everything before changing anything.
+        for &p in partitions {
+            let record = self
+                .partitions
+                .get(p.0 as usize)
+                .ok_or(Rejection::PartitionOutOfRange { partition: p.0, count: config.partition_count })?;
+            if record.owner != Some(session) {
+                return Err(Rejection::NotOwner { partition: p, session });
+            }
+        }
+        let mut released = Vec::new();
+        for &p in partitions {
+            let record = self.partitions[p.0 as usize];
+            if record.owner != Some(session) {
+                continue; // listed twice
+            }
+            self.set_partition(p, PartitionRecord { owner: None, revoking: false, ..record });
+            events.push(Event::Released { partition: p, session, token: record.token });
+            released.push(p);
+        }
+        Ok(Response::Released { partitions: released })
+    }
+
+    fn mark_leaving(&mut self, session: SessionId) {
+        if let Some(record) = self.sessions.get(&session) {
+            if !record.leaving {
+                let mut record = record.clone();
+                record.leaving = true;
+                self.put_session(session, record);
+            }
+        }
+    }
+
+    fn lose_all(&mut self, session: SessionId, reason: LossReason, events: &mut Vec<Event>) -> u32 {
+        let mut lost = 0;
+        for p in 0..self.partitions.len() {
+            let record = self.partitions[p];
+            if record.owner == Some(session) {
+                let partition = PartitionId(p as u32);
+                self.set_partition(partition, PartitionRecord { owner: None, revoking: false, ..record });
+                events.push(Event::Lost { partition, session, token: record.token, reason });
+                lost += 1;
+            }
+        }
+        lost
+    }
+
+    fn end_session(&mut self, session: SessionId, events: &mut Vec<Event>) {
+        if self.sessions.remove(&session).is_some() {
+            self.changes.sessions.insert(session);
+            events.push(Event::SessionEnded { session });
+        }
+    }
+
+    fn put_session(&mut self, session: SessionId, record: SessionRecord) {
+        self.sessions.insert(session, record);
+        self.changes.sessions.insert(session);
+    }
+
+    fn set_partition(&mut self, p: PartitionId, record: PartitionRecord) {
+        self.partitions[p.0 as usize] = record;
+        self.changes.partitions.insert(p.0);
+    }
+
+    /// Brings the table towards the placement target: grants unowned partitions, revokes
+    /// misplaced ones, and ends leaving sessions that own nothing.
+    fn reconcile(&mut self, index: u64, events: &mut Vec<Event>) {
+        if self.config.is_none() {
+            return;
+        }
+        let members: Vec<Member> = self
+            .sessions
+            .iter()
+            .filter(|(_, r)| !r.leaving)
+            .map(|(s, r)| Member { session: *s, name: r.name.clone(), weight: r.weight })
+            .collect();
+        let current: Vec<Option<SessionId>> = self.partitions.iter().map(|r| r.owner).collect();
+        let target = placement::place(&members, &current);
+        let token = FencingToken(index);
+        for (p, want) in target.into_iter().enumerate() {
+            let record = self.partitions[p];
+            let partition = PartitionId(p as u32);
+            match (record.owner, want) {
+                (None, Some(session)) => {
+                    assert!(
+                        token > record.token,
+                        "token for {partition} would not grow: {} -> {}",
+                        record.token,
+                        token
+                    );
+                    self.set_partition(
+                        partition,
+                        PartitionRecord { owner: Some(session), token, revoking: false },
+                    );
+                    events.push(Event::Granted { partition, session, token });
+                }
+                (Some(owner), want) if want != Some(owner) && !record.revoking => {
+                    self.set_partition(partition, PartitionRecord { revoking: true, ..record });
+                    events.push(Event::Revoking { partition, session: owner, token: record.token });
+                }
+                _ => {}
+            }
+        }
+        let mut owning = BTreeSet::new();
+        owning.extend(self.partitions.iter().filter_map(|r| r.owner));
+        let idle: Vec<SessionId> = self
+            .sessions
+            .iter()
+            .filter(|(s, r)| r.leaving && !owning.contains(*s))
+            .map(|(s, _)| *s)
+            .collect();
+        for session in idle {
+            self.end_session(session, events);
+        }
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}

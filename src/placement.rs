@@ -1,0 +1,162 @@
+//! Placement: a pure function from (members, weights, current assignment) to the target
+//! assignment.
+//!
+//! It runs inside the replicated state machine, so it must be deterministic on every replica:
+//! no randomness, no clock, no iteration over hash maps, and a ring hashed with xxHash64 (seed 0)
+//! rather than the standard library's hasher, whose output may change between Rust releases.
+//!
+//! Invariants kept here (checked by the property tests in `tests/placement.rs`):
+//! - Balance: every member's target count is `floor(P * w / W)` or one more, so counts by weight
+//!   differ by at most one partition.
+//! - Minimal movement: a partition keeps its current holder unless that holder is gone or holds
+//!   more than its quota; only the excess is taken away, so a join moves only what balance
+//!   requires onto the newcomer and a crash moves only the dead member's partitions.
+//! - Affinity: a partition that must move goes to its consistent-hash preferred member (ring keyed
+//!   by the stable worker name) when that member has room, so it tends to return to the same
+//!   worker after a restart.
+
+use crate::ids::SessionId;
+use hashring::HashRing;
+use std::hash::{Hash, Hasher};
+use xxhash_rust::xxh64::Xxh64Builder;
+
+/// Ring entries per unit of weight.
+pub const VNODES_PER_WEIGHT: u32 = 16;
+/// Weights above this are clamped, which bounds the size of the ring.
+pub const MAX_WEIGHT: u32 = 1000;
+
+/// One eligible member: a live session that is not leaving.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Member {
+    pub session: SessionId,
+    pub name: String,
+    pub weight: u32,
+}
+
+#[derive(Clone, Debug)]
+struct VNode {
+    member: usize,
+    name: String,
+    replica: u32,
+}
+
+impl Hash for VNode {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write(self.name.as_bytes());
+        state.write(&self.replica.to_le_bytes());
+    }
+}
+
+struct PartitionKey(u32);
+
+impl Hash for PartitionKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write(&self.0.to_le_bytes());
+    }
+}
+
+/// Target count per member: `floor(P * w / W)`, plus one for the members with the largest
+/// remainders (ties: members that hold more now, then by name), so the sum is exactly `P`.
+pub fn quotas(members: &[Member], held: &[u32], partitions: u32) -> Vec<u32> {
+    let total_weight: u128 = members.iter().map(|m| weight_of(m) as u128).sum();
+    if total_weight == 0 {
+        return vec![0; members.len()];
+    }
+    let mut quota = Vec::with_capacity(members.len());
+    let mut frac = Vec::with_capacity(members.len());
+    for m in members {
+        let share = partitions as u128 * weight_of(m) as u128;
+        quota.push((share / total_weight) as u32);
+        frac.push(share % total_weight);
+    }
+    let assigned: u32 = quota.iter().sum();
+    let mut order: Vec<usize> = (0..members.len()).collect();
+    order.sort_by(|&a, &b| {
+        frac[b]
+            .cmp(&frac[a])
+            .then(held[b].cmp(&held[a]))
+            .then(members[a].name.cmp(&members[b].name))
+            .then(members[a].session.cmp(&members[b].session))
+    });
+    for &i in order.iter().take((partitions - assigned) as usize) {
+        quota[i] += 1;
+    }
+    quota
+}
+
+fn weight_of(m: &Member) -> u32 {
+    m.weight.clamp(1, MAX_WEIGHT)
+}
+
+/// Computes the target holder of every partition. `current[p]` is the present holder of
+/// partition `p`; holders that are not in `members` count as gone. With no members, every
+/// partition's target is `None`.
+pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<SessionId>> {
+    let partitions = current.len() as u32;
+    if members.is_empty() {
+        return vec![None; current.len()];
+    }
+    // Members sorted by session for lookups; membership lists are small next to P.
+    let mut by_session: Vec<(SessionId, usize)> =
+        members.iter().enumerate().map(|(i, m)| (m.session, i)).collect();
+    by_session.sort();
+    let lookup =
+        |s: SessionId| by_session.binary_search_by_key(&s, |&(sid, _)| sid).ok().map(|k| by_session[k].1);
+
+    let mut holder: Vec<Option<usize>> = current.iter().map(|c| c.and_then(lookup)).collect();
+    let mut held = vec![0u32; members.len()];
+    for h in holder.iter().flatten() {
+        held[*h] += 1;
+    }
+    let quota = quotas(members, &held, partitions);
+
+    let mut ring: HashRing<VNode, Xxh64Builder> = HashRing::with_hasher(Xxh64Builder::new(0));
+    for (i, m) in members.iter().enumerate() {
+        for replica in 0..weight_of(m) * VNODES_PER_WEIGHT {
+            ring.add(VNode { member: i, name: m.name.clone(), replica });
+        }
+    }
+    let preferred = |p: usize| ring.get(&PartitionKey(p as u32)).map(|v| v.member);
+
+    // Take the excess away from members above quota: partitions the ring would place elsewhere
+    // first, then the highest-numbered ones.
+    let mut excess: Vec<Vec<usize>> = vec![Vec::new(); members.len()];
+    for (p, h) in holder.iter().enumerate() {
+        if let Some(i) = *h {
+            if held[i] > quota[i] {
+                excess[i].push(p);
+            }
+        }
+    }
+    for (i, mut mine) in excess.into_iter().enumerate() {
+        if mine.is_empty() {
+            continue;
+        }
+        mine.sort_by_key(|&p| (preferred(p) == Some(i), std::cmp::Reverse(p)));
+        for &p in mine.iter().take((held[i] - quota[i]) as usize) {
+            holder[p] = None;
+        }
+        held[i] = quota[i];
+    }
+
+    // Hand out the free partitions: preferred member if it has room, else the next member with
+    // room. The quotas sum to P, so every free partition finds a place.
+    let mut cursor = 0usize;
+    for p in 0..holder.len() {
+        if holder[p].is_some() {
+            continue;
+        }
+        let target = match preferred(p) {
+            Some(i) if held[i] < quota[i] => i,
+            _ => {
+                while held[cursor] >= quota[cursor] {
+                    cursor += 1;
+                }
+                cursor
+            }
+        };
+        holder[p] = Some(target);
+        held[target] += 1;
+    }
+    holder.into_iter().map(|h| h.map(|i| members[i].session)).collect()
+}

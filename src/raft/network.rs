@@ -1,0 +1,119 @@
+//! Raft RPCs over gRPC. Payloads are openraft's own request and response types, serialized with
+//! serde; the receiving node's answer is a `Result` so that openraft's remote errors arrive as
+//! remote errors and transport failures as unreachable.
+
+use crate::ids::NodeId;
+use crate::proto::raft_transport_client::RaftTransportClient;
+use crate::proto::RaftPayload;
+use crate::raft::TypeConfig;
+use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
+use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
+use openraft::raft::{
+    AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
+    VoteRequest, VoteResponse,
+};
+use openraft::BasicNode;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// Largest Raft message a node sends or accepts.
+pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
+
+/// Creates one client per peer; openraft keeps them per replication stream.
+#[derive(Clone, Default)]
+pub struct Network;
+
+pub struct PeerClient {
+    target: NodeId,
+    client: Result<RaftTransportClient<Channel>, String>,
+}
+
+impl RaftNetworkFactory<TypeConfig> for Network {
+    type Network = PeerClient;
+
+    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+        let client = Endpoint::from_shared(format!("http://{}", node.addr))
+            .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true))
+            .map(|e| {
+                RaftTransportClient::new(e.connect_lazy())
+                    .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+            })
+            .map_err(|e| format!("bad address {:?} for node {target}: {e}", node.addr));
+        PeerClient { target, client }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct TransportError(String);
+
+impl PeerClient {
+    async fn call<Req, Resp, E>(
+        &mut self,
+        rpc: &'static str,
+        req: &Req,
+        option: &RPCOption,
+    ) -> Result<Resp, RPCError<NodeId, BasicNode, E>>
+    where
+        Req: Serialize,
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let client = self
+            .client
+            .as_mut()
+            .map_err(|e| RPCError::Unreachable(Unreachable::new(&TransportError(e.clone()))))?;
+        let data = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let mut request = tonic::Request::new(RaftPayload { data });
+        request.set_timeout(option.hard_ttl());
+        let reply = match rpc {
+            "append" => client.append_entries(request).await,
+            "vote" => client.vote(request).await,
+            _ => client.install_snapshot(request).await,
+        };
+        let reply = reply.map_err(|status| {
+            let err = TransportError(format!("{rpc} to node {}: {}", self.target, status.message()));
+            match status.code() {
+                tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Cancelled => {
+                    RPCError::Unreachable(Unreachable::new(&err))
+                }
+                _ => RPCError::Network(NetworkError::new(&err)),
+            }
+        })?;
+        let result: Result<Resp, E> = serde_json::from_slice(&reply.into_inner().data)
+            .map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
+    }
+}
+
+impl RaftNetwork<TypeConfig> for PeerClient {
+    async fn append_entries(
+        &mut self,
+        rpc: AppendEntriesRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call("append", &rpc, &option).await
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        rpc: InstallSnapshotRequest<TypeConfig>,
+        option: RPCOption,
+    ) -> Result<
+        InstallSnapshotResponse<NodeId>,
+        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+    > {
+        self.call("snapshot", &rpc, &option).await
+    }
+
+    async fn vote(
+        &mut self,
+        rpc: VoteRequest<NodeId>,
+        option: RPCOption,
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        self.call("vote", &rpc, &option).await
+    }
+}

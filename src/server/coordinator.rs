@@ -1,0 +1,318 @@
+//! The worker-facing gRPC service. Requests are validated here, before anything reaches the
+//! log; the state machine checks them again when it applies them.
+
+use super::{CoordinatorError, Node, PendingRenewal};
+use crate::ids::{PartitionId, SessionId};
+use crate::ownership::{Command, Event, Rejection, Response as SmResponse, MAX_NAME_BYTES};
+use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
+use rand::RngCore;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// Longest secret accepted; real ones are 32 hex characters.
+const MAX_SECRET_BYTES: usize = 128;
+
+pub struct CoordinatorService {
+    pub node: Arc<Node>,
+}
+
+fn check_secret(secret: &str) -> Result<(), CoordinatorError> {
+    if secret.len() > MAX_SECRET_BYTES {
+        return Err(CoordinatorError::InvalidArgument(format!(
+            "secret longer than {MAX_SECRET_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
+
+fn new_secret() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rng().fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+impl CoordinatorService {
+    fn ttl_ms(&self) -> u64 {
+        let applied = self.node.state.read().expect("state lock poisoned");
+        applied
+            .state
+            .config()
+            .map(|c| c.lease_ttl_ms)
+            .unwrap_or(self.node.config.lease_ttl.as_millis() as u64)
+    }
+
+    fn event_for(&self, kind: Kind, partition: PartitionId, token: u64, index: u64) -> proto::OwnershipEvent {
+        let applied = self.node.state.read().expect("state lock poisoned");
+        let range = applied.state.keyspace().and_then(|k| k.range(partition));
+        proto::OwnershipEvent {
+            kind: kind as i32,
+            partition: partition.0,
+            token,
+            hash_start: range.map(|r| r.start).unwrap_or(0),
+            hash_end: range.map(|r| r.end).unwrap_or(0),
+            lease_ttl_ms: applied.state.config().map(|c| c.lease_ttl_ms).unwrap_or(0),
+            log_index: index,
+        }
+    }
+}
+
+type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::OwnershipEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Coordinator for CoordinatorService {
+    async fn join(&self, req: Request<proto::JoinRequest>) -> Result<Response<proto::JoinResponse>, Status> {
+        let req = req.into_inner();
+        self.node.ensure_leader()?;
+        if req.name.is_empty() || req.name.len() > MAX_NAME_BYTES {
+            return Err(CoordinatorError::Rejected(Rejection::InvalidName(format!(
+                "must be 1 to {MAX_NAME_BYTES} bytes"
+            )))
+            .into());
+        }
+        let weight = if req.weight == 0 { 1 } else { req.weight };
+        let command = Command::Join { name: req.name, weight, secret: new_secret() };
+        match self.node.propose(command).await? {
+            SmResponse::Joined { session, secret, .. } => {
+                let applied = self.node.state.read().expect("state lock poisoned");
+                let config = applied.state.config();
+                Ok(Response::new(proto::JoinResponse {
+                    session_id: session.0,
+                    secret,
+                    lease_ttl_ms: config.map(|c| c.lease_ttl_ms).unwrap_or(0),
+                    partition_count: config.map(|c| c.partition_count).unwrap_or(0),
+                }))
+            }
+            other => Err(Status::internal(format!("unexpected response to join: {other:?}"))),
+        }
+    }
+
+    async fn heartbeat(
+        &self,
+        req: Request<proto::HeartbeatRequest>,
+    ) -> Result<Response<proto::HeartbeatResponse>, Status> {
+        let received = Instant::now();
+        let req = req.into_inner();
+        check_secret(&req.secret)?;
+        self.node.ensure_leader()?;
+        let session = SessionId(req.session_id);
+        {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
+        }
+        let (reply, answer) = oneshot::channel();
+        let pending = PendingRenewal { session, secret: req.secret, received, reply };
+        self.node
+            .renewals
+            .send(pending)
+            .await
+            .map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))?;
+        let renewed =
+            answer.await.map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))??;
+        Ok(Response::new(proto::HeartbeatResponse {
+            renewed: renewed
+                .into_iter()
+                .map(|(partition, token)| proto::PartitionLease { partition, token })
+                .collect(),
+            lease_ttl_ms: self.ttl_ms(),
+        }))
+    }
+
+    async fn release(
+        &self,
+        req: Request<proto::ReleaseRequest>,
+    ) -> Result<Response<proto::ReleaseResponse>, Status> {
+        let req = req.into_inner();
+        check_secret(&req.secret)?;
+        self.node.ensure_leader()?;
+        let count = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            applied
+                .state
+                .authenticate(SessionId(req.session_id), &req.secret)
+                .map_err(CoordinatorError::from)?;
+            applied.state.config().map(|c| c.partition_count).unwrap_or(0)
+        };
+        if let Some(&bad) = req.partitions.iter().find(|&&p| p >= count) {
+            return Err(
+                CoordinatorError::Rejected(Rejection::PartitionOutOfRange { partition: bad, count }).into()
+            );
+        }
+        let command = if req.all {
+            if !req.partitions.is_empty() {
+                return Err(CoordinatorError::InvalidArgument("`all` with a partition list".into()).into());
+            }
+            Command::ReleaseAll { session: SessionId(req.session_id), secret: req.secret }
+        } else {
+            Command::Release {
+                session: SessionId(req.session_id),
+                secret: req.secret,
+                partitions: req.partitions.into_iter().map(PartitionId).collect(),
+            }
+        };
+        match self.node.propose(command).await? {
+            SmResponse::Released { partitions } => Ok(Response::new(proto::ReleaseResponse {
+                released: partitions.into_iter().map(|p| p.0).collect(),
+            })),
+            other => Err(Status::internal(format!("unexpected response to release: {other:?}"))),
+        }
+    }
+
+    async fn leave(
+        &self,
+        req: Request<proto::LeaveRequest>,
+    ) -> Result<Response<proto::LeaveResponse>, Status> {
+        let req = req.into_inner();
+        check_secret(&req.secret)?;
+        self.node.ensure_leader()?;
+        {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            applied
+                .state
+                .authenticate(SessionId(req.session_id), &req.secret)
+                .map_err(CoordinatorError::from)?;
+        }
+        self.node.propose(Command::Leave { session: SessionId(req.session_id), secret: req.secret }).await?;
+        Ok(Response::new(proto::LeaveResponse {}))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(&self, req: Request<proto::WatchRequest>) -> Result<Response<WatchStream>, Status> {
+        let req = req.into_inner();
+        check_secret(&req.secret)?;
+        self.node.ensure_leader()?;
+        let session = SessionId(req.session_id);
+        // Subscribe before reading the snapshot, so nothing falls between the two.
+        let mut events = self.node.sm.subscribe();
+        let (initial, from_index) = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
+            let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
+            (applied.state.owned_by(session), index)
+        };
+        let (tx, rx) = mpsc::channel(1024);
+        let service = CoordinatorService { node: self.node.clone() };
+        tokio::spawn(async move {
+            for (partition, record) in initial {
+                let kind = if record.revoking { Kind::Revoking } else { Kind::Assigned };
+                if tx.send(Ok(service.event_for(kind, partition, record.token.0, from_index))).await.is_err()
+                {
+                    return;
+                }
+            }
+            loop {
+                let received = tokio::select! {
+                    _ = service.node.stopping.cancelled() => {
+                        let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
+                        return;
+                    }
+                    received = events.recv() => received,
+                };
+                let applied = match received {
+                    Ok(applied) => applied,
+                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                        let _ = tx
+                            .send(Err(Status::aborted("watch fell behind; reconnect to resynchronise")))
+                            .await;
+                        return;
+                    }
+                    Err(broadcast::error::RecvError::Closed) => {
+                        let _ = tx.send(Err(Status::unavailable("node is shutting down"))).await;
+                        return;
+                    }
+                };
+                if applied.index <= from_index {
+                    continue;
+                }
+                for event in &applied.events {
+                    let out = match *event {
+                        Event::Granted { partition, session: s, token } if s == session => {
+                            service.event_for(Kind::Assigned, partition, token.0, applied.index)
+                        }
+                        Event::Revoking { partition, session: s, token } if s == session => {
+                            service.event_for(Kind::Revoking, partition, token.0, applied.index)
+                        }
+                        Event::Lost { partition, session: s, token, .. } if s == session => {
+                            service.event_for(Kind::Lost, partition, token.0, applied.index)
+                        }
+                        Event::Released { partition, session: s, token } if s == session => {
+                            service.event_for(Kind::Released, partition, token.0, applied.index)
+                        }
+                        Event::SessionEnded { session: s } if s == session => {
+                            let _ = tx.send(Err(Status::not_found(format!("session {session} ended")))).await;
+                            return;
+                        }
+                        _ => continue,
+                    };
+                    if tx.send(Ok(out)).await.is_err() {
+                        return; // the worker hung up
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    async fn status(
+        &self,
+        _req: Request<proto::StatusRequest>,
+    ) -> Result<Response<proto::StatusResponse>, Status> {
+        let metrics = self.node.raft.metrics().borrow().clone();
+        let leader_id = metrics.current_leader.unwrap_or(0);
+        let applied = self.node.state.read().expect("state lock poisoned");
+        let nodes: Vec<proto::Node> = applied
+            .membership
+            .membership()
+            .nodes()
+            .map(|(id, n)| proto::Node { id: *id, addr: n.addr.clone() })
+            .collect();
+        let leader_addr =
+            nodes.iter().find(|n| n.id == leader_id).map(|n| n.addr.clone()).unwrap_or_default();
+        let mut owned = std::collections::HashMap::new();
+        let partitions = applied
+            .state
+            .partitions()
+            .iter()
+            .enumerate()
+            .map(|(p, r)| {
+                if let Some(o) = r.owner {
+                    *owned.entry(o).or_insert(0u32) += 1;
+                }
+                proto::PartitionRow {
+                    partition: p as u32,
+                    owner: r.owner.map(|s| s.0).unwrap_or(0),
+                    token: r.token.0,
+                    revoking: r.revoking,
+                }
+            })
+            .collect();
+        let sessions = applied
+            .state
+            .sessions()
+            .iter()
+            .map(|(s, r)| proto::Session {
+                id: s.0,
+                name: r.name.clone(),
+                weight: r.weight,
+                leaving: r.leaving,
+                owned: owned.get(s).copied().unwrap_or(0),
+            })
+            .collect();
+        let config = applied.state.config();
+        Ok(Response::new(proto::StatusResponse {
+            node_id: self.node.config.id,
+            leader_id,
+            leader_addr,
+            nodes,
+            sessions,
+            partitions,
+            partition_count: config.map(|c| c.partition_count).unwrap_or(0),
+            lease_ttl_ms: config.map(|c| c.lease_ttl_ms).unwrap_or(0),
+            last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
+        }))
+    }
+}

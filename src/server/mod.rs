@@ -1,0 +1,276 @@
+//! A coordinator node: RocksDB store, openraft, the leader's duties and the gRPC services, wired
+//! together and run on a listener the caller bound, until a shutdown token fires.
+//!
+//! What runs where:
+//! - [`coordinator`]: the worker-facing API. Joins, releases and leaves become log entries;
+//!   heartbeats do not: they are batched and acknowledged after one quorum round confirms this
+//!   node is still the leader (openraft's `ensure_linearizable`), then extend the in-memory lease.
+//! - [`leader`]: the duties only the leader has: configuring a new cluster, following applied
+//!   events into the [`LeaseTable`], and proposing expiries when deadlines pass.
+//! - [`raft_service`]: the receiving end of the Raft transport.
+
+pub mod coordinator;
+mod error;
+mod leader;
+mod raft_service;
+
+pub use error::{CoordinatorError, ERROR_METADATA, LEADER_METADATA};
+
+use crate::ids::NodeId;
+use crate::lease::LeaseTable;
+use crate::ownership::{Command, Response};
+use crate::proto::coordinator_server::CoordinatorServer;
+use crate::proto::raft_transport_server::RaftTransportServer;
+use crate::raft::network::{Network, MAX_RAFT_MESSAGE_BYTES};
+use crate::raft::Raft;
+use crate::store::{LogStore, SharedState, StateMachineStore};
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Everything a node needs to start. Every node of a cluster must agree on `peers`,
+/// `partition_count` and `lease_ttl`.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    pub id: NodeId,
+    /// Every voter of the cluster, this node included, with the address it serves on.
+    pub peers: BTreeMap<NodeId, String>,
+    pub data_dir: PathBuf,
+    pub partition_count: u32,
+    pub lease_ttl: Duration,
+    /// How often the leader looks for expired leases.
+    pub expiry_check_interval: Duration,
+    pub raft_heartbeat_interval: Duration,
+    /// Lower bound of the election timeout; the upper bound is twice this.
+    pub election_timeout: Duration,
+    /// Build a snapshot (and purge the log) after this many applied entries.
+    pub snapshot_after_logs: u64,
+}
+
+impl NodeConfig {
+    /// A configuration with the defaults for everything but identity and placement.
+    pub fn new(id: NodeId, peers: BTreeMap<NodeId, String>, data_dir: PathBuf) -> Self {
+        NodeConfig {
+            id,
+            peers,
+            data_dir,
+            partition_count: 256,
+            lease_ttl: Duration::from_secs(5),
+            expiry_check_interval: Duration::from_millis(50),
+            raft_heartbeat_interval: Duration::from_millis(100),
+            election_timeout: Duration::from_millis(500),
+            snapshot_after_logs: 5000,
+        }
+    }
+
+    /// Checks the values that the cluster cannot work with.
+    pub fn validate(&self) -> Result<(), NodeError> {
+        let bad = |m: String| Err(NodeError::Config(m));
+        if !self.peers.contains_key(&self.id) {
+            return bad(format!(
+                "node id {} is not among the peers {:?}",
+                self.id,
+                self.peers.keys().collect::<Vec<_>>()
+            ));
+        }
+        if self.peers.contains_key(&0) {
+            return bad("node id 0 is reserved; number nodes from 1".into());
+        }
+        crate::keyspace::KeySpace::new(self.partition_count).map_err(|e| NodeError::Config(e.to_string()))?;
+        if self.lease_ttl < Duration::from_millis(100) {
+            return bad(format!("lease TTL {:?} is below the 100 ms minimum", self.lease_ttl));
+        }
+        if self.raft_heartbeat_interval.is_zero() || self.election_timeout <= self.raft_heartbeat_interval * 2
+        {
+            return bad("the election timeout must exceed twice the raft heartbeat interval".into());
+        }
+        if self.expiry_check_interval.is_zero() {
+            return bad("the expiry check interval must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a node could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot open the store: {0}")]
+    Storage(String),
+    #[error("raft failed to start: {0}")]
+    Raft(String),
+}
+
+/// A renewal waiting for the next leadership confirmation round.
+pub(crate) struct PendingRenewal {
+    pub session: crate::ids::SessionId,
+    pub secret: String,
+    pub received: std::time::Instant,
+    pub reply: tokio::sync::oneshot::Sender<Result<Vec<(u32, u64)>, CoordinatorError>>,
+}
+
+/// The parts of a running node that its services share.
+pub struct Node {
+    pub config: NodeConfig,
+    pub raft: Raft,
+    pub state: SharedState,
+    pub(crate) sm: StateMachineStore,
+    /// `Some` only while this node is the leader and has reset the table for its term.
+    pub(crate) leases: Mutex<Option<LeaseTable>>,
+    pub(crate) renewals: mpsc::Sender<PendingRenewal>,
+    /// Fires when the node stops; every task that holds the node watches it, so the store (and
+    /// its file lock) is released on shutdown.
+    pub(crate) stopping: CancellationToken,
+}
+
+impl Node {
+    /// Fails with `NotLeader` (and the leader's address) unless this node leads.
+    pub fn ensure_leader(&self) -> Result<(), CoordinatorError> {
+        let metrics = self.raft.metrics().borrow().clone();
+        if metrics.state == ServerState::Leader && metrics.current_leader == Some(self.config.id) {
+            return Ok(());
+        }
+        let leader_id = metrics.current_leader;
+        let leader_addr = leader_id.and_then(|id| self.address_of(id));
+        Err(CoordinatorError::NotLeader { leader_id, leader_addr })
+    }
+
+    fn address_of(&self, id: NodeId) -> Option<String> {
+        let applied = self.state.read().expect("state lock poisoned");
+        applied
+            .membership
+            .membership()
+            .get_node(&id)
+            .map(|n| n.addr.clone())
+            .or_else(|| self.config.peers.get(&id).cloned())
+    }
+
+    /// Proposes a command and waits until it is committed and applied.
+    pub async fn propose(&self, command: Command) -> Result<Response, CoordinatorError> {
+        match self.raft.client_write(command).await {
+            Ok(reply) => match reply.data {
+                Response::Rejected(r) => Err(CoordinatorError::Rejected(r)),
+                other => Ok(other),
+            },
+            Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
+                Err(CoordinatorError::NotLeader {
+                    leader_id: f.leader_id,
+                    leader_addr: f.leader_node.map(|n| n.addr),
+                })
+            }
+            Err(e) => Err(CoordinatorError::Unavailable(e.to_string())),
+        }
+    }
+}
+
+/// How long a stopping node waits for its tasks before aborting them.
+const SHUTDOWN_GRACE: Duration = Duration::from_millis(300);
+
+/// A started node; [`RunningNode::shutdown`] stops it and releases its database.
+pub struct RunningNode {
+    pub node: Arc<Node>,
+    pub addr: std::net::SocketAddr,
+    cancel: CancellationToken,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl RunningNode {
+    pub fn raft(&self) -> &Raft {
+        &self.node.raft
+    }
+
+    /// Stops serving, shuts Raft down and ends every task, so the store can be reopened.
+    /// Open streams (workers' ownership streams) would keep a graceful gRPC shutdown waiting
+    /// forever, so each task gets a short grace period and is then aborted.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        let _ = self.node.raft.shutdown().await;
+        for mut task in self.tasks {
+            if tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await.is_err() {
+                task.abort();
+                let _ = task.await;
+            }
+        }
+    }
+}
+
+fn raft_config(config: &NodeConfig) -> Result<openraft::Config, NodeError> {
+    let ms = |d: Duration| d.as_millis() as u64;
+    openraft::Config {
+        cluster_name: "tenure".into(),
+        heartbeat_interval: ms(config.raft_heartbeat_interval),
+        election_timeout_min: ms(config.election_timeout),
+        election_timeout_max: ms(config.election_timeout) * 2,
+        snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_after_logs),
+        max_in_snapshot_log_to_keep: config.snapshot_after_logs.min(100),
+        ..Default::default()
+    }
+    .validate()
+    .map_err(|e| NodeError::Config(e.to_string()))
+}
+
+/// Opens the store, starts Raft and serves on `listener` until [`RunningNode::shutdown`].
+/// The node with the smallest id initialises a new cluster.
+pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningNode, NodeError> {
+    config.validate()?;
+    let addr = listener.local_addr().map_err(|e| NodeError::Config(e.to_string()))?;
+    std::fs::create_dir_all(&config.data_dir)
+        .map_err(|e| NodeError::Storage(format!("{}: {e}", config.data_dir.display())))?;
+    let db = crate::store::open(&config.data_dir).map_err(|e| NodeError::Storage(e.to_string()))?;
+    let log_store = LogStore::new(db.clone());
+    let sm = StateMachineStore::open(db).map_err(|e| NodeError::Storage(e.to_string()))?;
+    let state = sm.shared();
+    let raft = Raft::new(config.id, Arc::new(raft_config(&config)?), Network, log_store, sm.clone())
+        .await
+        .map_err(|e| NodeError::Raft(e.to_string()))?;
+
+    let first = config.peers.keys().next().copied();
+    if first == Some(config.id) && !raft.is_initialized().await.map_err(|e| NodeError::Raft(e.to_string()))? {
+        let members: BTreeMap<NodeId, BasicNode> =
+            config.peers.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
+        if let Err(e) = raft.initialize(members).await {
+            tracing::info!(error = %e, "cluster already initialised");
+        }
+    }
+
+    let (renewals, renewal_rx) = mpsc::channel(65536);
+    let cancel = CancellationToken::new();
+    let node = Arc::new(Node {
+        config,
+        raft: raft.clone(),
+        state,
+        sm,
+        leases: Mutex::new(None),
+        renewals,
+        stopping: cancel.clone(),
+    });
+    let mut tasks = Vec::new();
+    tasks.push(tokio::spawn(leader::run_duties(node.clone(), cancel.clone())));
+    tasks.push(tokio::spawn(leader::run_renewals(node.clone(), renewal_rx, cancel.clone())));
+
+    let coordinator = CoordinatorServer::new(coordinator::CoordinatorService { node: node.clone() });
+    let transport = RaftTransportServer::new(raft_service::RaftService { raft })
+        .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+    let shutdown = cancel.clone();
+    tasks.push(tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let result = tonic::transport::Server::builder()
+            .add_service(coordinator)
+            .add_service(transport)
+            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "gRPC server stopped");
+        }
+    }));
+    Ok(RunningNode { node, addr, cancel, tasks })
+}

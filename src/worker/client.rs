@@ -1,0 +1,166 @@
+//! A connection to the coordinator cluster that finds the leader and follows redirects.
+//!
+//! Any node answers a worker; a follower refuses with the leader's address in metadata, which the
+//! client follows at once. Unreachable nodes are skipped with bounded exponential backoff, so a
+//! call either reaches the leader or fails after a bounded number of tries.
+
+use crate::proto::coordinator_client::CoordinatorClient;
+use crate::proto::{ERROR_METADATA, LEADER_METADATA};
+use backon::{BackoffBuilder, ExponentialBuilder};
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tonic::transport::{Channel, Endpoint};
+
+/// Why a coordinator call failed, as seen by a worker.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClientError {
+    #[error("unknown session: {0}")]
+    UnknownSession(String),
+    #[error("wrong session secret: {0}")]
+    WrongSecret(String),
+    #[error("session expired: {0}")]
+    SessionExpired(String),
+    #[error("not the owner: {0}")]
+    NotOwner(String),
+    #[error("partition out of range: {0}")]
+    PartitionOutOfRange(String),
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("no coordinator could serve the call: {0}")]
+    Unavailable(String),
+    #[error("bad coordinator address {0:?}")]
+    BadAddress(String),
+    #[error("coordinator error: {0}")]
+    Other(String),
+}
+
+impl ClientError {
+    /// The session is gone for good: join again.
+    pub fn is_session_gone(&self) -> bool {
+        matches!(
+            self,
+            ClientError::UnknownSession(_) | ClientError::SessionExpired(_) | ClientError::WrongSecret(_)
+        )
+    }
+
+    fn from_status(status: &tonic::Status) -> ClientError {
+        let kind = status.metadata().get(ERROR_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let msg = status.message().to_string();
+        match kind {
+            "unknown_session" => ClientError::UnknownSession(msg),
+            "wrong_secret" => ClientError::WrongSecret(msg),
+            "session_expired" => ClientError::SessionExpired(msg),
+            "not_owner" => ClientError::NotOwner(msg),
+            "partition_out_of_range" => ClientError::PartitionOutOfRange(msg),
+            "invalid_argument" | "invalid_name" | "invalid_weight" => ClientError::InvalidArgument(msg),
+            "not_leader" | "unavailable" | "not_configured" => ClientError::Unavailable(msg),
+            _ if status.code() == tonic::Code::Unavailable => ClientError::Unavailable(msg),
+            _ => ClientError::Other(format!("{:?}: {msg}", status.code())),
+        }
+    }
+}
+
+/// Connection to a cluster. Cheap to clone; clones share the leader hint.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Mutex<Inner>>,
+    max_tries: usize,
+}
+
+struct Inner {
+    addrs: Vec<String>,
+    current: usize,
+    channels: std::collections::HashMap<String, Channel>,
+}
+
+impl Client {
+    /// A client for the given `host:port` addresses; nothing connects until the first call.
+    pub fn new(addrs: Vec<String>) -> Result<Client, ClientError> {
+        if addrs.is_empty() {
+            return Err(ClientError::BadAddress(String::new()));
+        }
+        for a in &addrs {
+            Endpoint::from_shared(format!("http://{a}")).map_err(|_| ClientError::BadAddress(a.clone()))?;
+        }
+        Ok(Client {
+            inner: Arc::new(Mutex::new(Inner { addrs, current: 0, channels: Default::default() })),
+            max_tries: 12,
+        })
+    }
+
+    fn channel(&self) -> Result<(String, Channel), ClientError> {
+        let mut inner = self.inner.lock().expect("client lock poisoned");
+        let addr = inner.addrs[inner.current % inner.addrs.len()].clone();
+        if let Some(c) = inner.channels.get(&addr) {
+            return Ok((addr, c.clone()));
+        }
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|_| ClientError::BadAddress(addr.clone()))?
+            .connect_timeout(Duration::from_secs(1))
+            .tcp_nodelay(true)
+            .connect_lazy();
+        inner.channels.insert(addr.clone(), channel.clone());
+        Ok((addr, channel))
+    }
+
+    fn follow(&self, leader: Option<String>, failed: &str) {
+        let mut inner = self.inner.lock().expect("client lock poisoned");
+        match leader {
+            Some(addr) => {
+                let pos = match inner.addrs.iter().position(|a| *a == addr) {
+                    Some(pos) => pos,
+                    None => {
+                        inner.addrs.push(addr);
+                        inner.addrs.len() - 1
+                    }
+                };
+                inner.current = pos;
+            }
+            None => {
+                if inner.addrs[inner.current % inner.addrs.len()] == failed {
+                    inner.current = (inner.current + 1) % inner.addrs.len();
+                }
+                inner.channels.remove(failed);
+            }
+        }
+    }
+
+    /// Runs `f` against the leader, following redirects and retrying unreachable nodes.
+    pub async fn call<T, F, Fut>(&self, mut f: F) -> Result<T, ClientError>
+    where
+        F: FnMut(CoordinatorClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let mut delays = ExponentialBuilder::new()
+            .with_min_delay(Duration::from_millis(20))
+            .with_max_delay(Duration::from_millis(500))
+            .with_jitter()
+            .with_max_times(self.max_tries)
+            .build();
+        loop {
+            let (addr, channel) = self.channel()?;
+            let status = match f(CoordinatorClient::new(channel)).await {
+                Ok(reply) => return Ok(reply.into_inner()),
+                Err(status) => status,
+            };
+            let leader =
+                status.metadata().get(LEADER_METADATA).and_then(|v| v.to_str().ok()).map(str::to_string);
+            use tonic::Code;
+            let retry = matches!(
+                status.code(),
+                Code::Unavailable | Code::Cancelled | Code::Unknown | Code::DeadlineExceeded
+            );
+            if !retry {
+                return Err(ClientError::from_status(&status));
+            }
+            let redirected = leader.as_deref().is_some_and(|l| l != addr);
+            self.follow(leader, &addr);
+            match delays.next() {
+                Some(_) if redirected => continue,
+                Some(delay) => tokio::time::sleep(delay).await,
+                None => return Err(ClientError::Unavailable(status.message().to_string())),
+            }
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! Bad input gets a clear, typed error and changes nothing: unknown sessions, wrong secrets,
+//! out-of-range partitions, oversized fields, garbage Raft messages and bad configurations.
+
+mod common;
+
+use common::*;
+use tenure::proto::coordinator_client::CoordinatorClient;
+use tenure::proto::raft_transport_client::RaftTransportClient;
+use tenure::proto::{self, RaftPayload};
+use tenure::server::{NodeConfig, ERROR_METADATA};
+use tonic::Code;
+
+fn kind(status: &tonic::Status) -> &str {
+    status.metadata().get(ERROR_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_change() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let w = worker(&c, "w1").await;
+    let before = settled(&c, 1).await;
+    let leader = c.leader().unwrap();
+    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+
+    let err =
+        client.heartbeat(proto::HeartbeatRequest { session_id: 999, secret: "x".into() }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_session"));
+
+    let session_id = w.session().0;
+    let err =
+        client.heartbeat(proto::HeartbeatRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "wrong_secret"));
+
+    let err = client.leave(proto::LeaveRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
+    assert_eq!(kind(&err), "wrong_secret");
+
+    let err = client
+        .release(proto::ReleaseRequest {
+            session_id,
+            secret: "not-it".into(),
+            partitions: vec![0],
+            all: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(kind(&err), "wrong_secret");
+
+    let err = client.watch(proto::WatchRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
+    assert_eq!(kind(&err), "wrong_secret");
+
+    let err = client
+        .heartbeat(proto::HeartbeatRequest { session_id, secret: "x".repeat(10_000) })
+        .await
+        .unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"));
+
+    let err = client.join(proto::JoinRequest { name: String::new(), weight: 1 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_name"));
+    let err = client.join(proto::JoinRequest { name: "n".repeat(1000), weight: 1 }).await.unwrap_err();
+    assert_eq!(kind(&err), "invalid_name");
+    let err = client.join(proto::JoinRequest { name: "heavy".into(), weight: 1_000_000 }).await.unwrap_err();
+    assert_eq!(kind(&err), "invalid_weight");
+
+    // The worker's own secret works; out-of-range and foreign partitions are refused.
+    // (Release goes through the library so the secret stays private to it.)
+    let err = w.release(&[tenure::ids::PartitionId(24)]).await.unwrap_err();
+    assert!(matches!(err, tenure::worker::ClientError::PartitionOutOfRange(_)), "{err:?}");
+
+    // Garbage on the Raft port is refused, not applied.
+    let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let err = raft.append_entries(RaftPayload { data: b"\x00garbage".to_vec() }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    // A follower points at the leader.
+    let follower = (1..=3).find(|id| *id != leader).unwrap();
+    let mut on_follower = CoordinatorClient::connect(format!("http://{}", c.addr(follower))).await.unwrap();
+    let err = on_follower.join(proto::JoinRequest { name: "w9".into(), weight: 1 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::Unavailable, "not_leader"));
+    let hinted = err.metadata().get(tenure::server::LEADER_METADATA).unwrap().to_str().unwrap();
+    assert_eq!(hinted, c.addr(leader).to_string());
+
+    let after = c.status().await.unwrap();
+    assert_eq!(tokens(&after), tokens(&before), "nothing changed");
+    assert_eq!(after.sessions.len(), 1);
+    c.shutdown().await;
+}
+
+#[test]
+fn bad_node_configurations_are_refused() {
+    let peers = |ids: &[u64]| ids.iter().map(|i| (*i, format!("127.0.0.1:{}", 7000 + i))).collect();
+    let dir = std::path::PathBuf::from("unused");
+    let cases: Vec<(NodeConfig, &str)> = vec![
+        (NodeConfig::new(4, peers(&[1, 2, 3]), dir.clone()), "not among the peers"),
+        (NodeConfig::new(0, peers(&[0, 1, 2]), dir.clone()), "reserved"),
+        (
+            {
+                let mut c = NodeConfig::new(1, peers(&[1]), dir.clone());
+                c.partition_count = 0;
+                c
+            },
+            "partition count",
+        ),
+        (
+            {
+                let mut c = NodeConfig::new(1, peers(&[1]), dir.clone());
+                c.lease_ttl = std::time::Duration::from_millis(5);
+                c
+            },
+            "lease TTL",
+        ),
+        (
+            {
+                let mut c = NodeConfig::new(1, peers(&[1]), dir.clone());
+                c.election_timeout = c.raft_heartbeat_interval;
+                c
+            },
+            "election timeout",
+        ),
+    ];
+    for (config, needle) in cases {
+        let err = config.validate().unwrap_err().to_string();
+        assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+    }
+}
+
+#[test]
+fn the_binary_rejects_garbage_flags_with_a_clear_message() {
+    let bin = env!("CARGO_BIN_EXE_tenure");
+    let run = |args: &[&str]| std::process::Command::new(bin).args(args).output().unwrap();
+    let out = run(&["serve", "--id", "1", "--peers", "1=nowhere", "--data-dir", "x"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("bad address"));
+    let out = run(&["serve", "--id", "x", "--peers", "1=127.0.0.1:1", "--data-dir", "x"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--id"));
+    let out = run(&["serve", "--id", "2", "--peers", "1=127.0.0.1:1", "--data-dir", "x"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not in --peers"));
+}

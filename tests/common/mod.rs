@@ -1,0 +1,101 @@
+//! Helpers shared by the cluster tests: a small fast cluster, workers, and awaited conditions.
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::time::{Duration, Instant};
+use tenure::demo::is_settled;
+use tenure::ids::{FencingToken, PartitionId};
+use tenure::local_cluster::LocalCluster;
+use tenure::proto::StatusResponse;
+use tenure::server::NodeConfig;
+use tenure::worker::{Worker, WorkerConfig};
+
+pub const TTL: Duration = Duration::from_millis(1000);
+/// Generous bound for anything the tests await; never a speed assertion.
+pub const PATIENCE: Duration = Duration::from_secs(30);
+
+pub fn fast(c: &mut NodeConfig) {
+    c.partition_count = 24;
+    c.lease_ttl = TTL;
+    c.election_timeout = Duration::from_millis(300);
+    c.raft_heartbeat_interval = Duration::from_millis(50);
+    c.expiry_check_interval = Duration::from_millis(20);
+}
+
+/// Logs to the test's captured output; `RUST_LOG` picks the level (default: warnings).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+}
+
+pub async fn cluster(dir: &std::path::Path) -> LocalCluster {
+    init_tracing();
+    let c = LocalCluster::start(3, dir, fast).await.expect("cluster starts");
+    c.wait_for_leader(PATIENCE).await.expect("a leader is elected");
+    c
+}
+
+pub async fn worker(c: &LocalCluster, name: &str) -> Worker {
+    Worker::join(WorkerConfig::new(c.addrs(), name)).await.expect("worker joins")
+}
+
+/// Polls `check` until it returns `Some`, or panics after [`PATIENCE`].
+pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let until = Instant::now() + PATIENCE;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(Instant::now() < until, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Waits until `sessions` live sessions hold every partition, balanced, none revoking.
+pub async fn settled(c: &LocalCluster, sessions: usize) -> StatusResponse {
+    eventually(&format!("{sessions} sessions own a balanced table"), || async {
+        c.status().await.ok().filter(|s| is_settled(s, sessions))
+    })
+    .await
+}
+
+/// Waits until each worker believes exactly what the table gives its session.
+pub async fn workers_agree(c: &LocalCluster, workers: &[&Worker]) -> StatusResponse {
+    eventually("workers believe exactly what the table says", || async {
+        let status = c.status().await.ok()?;
+        for w in workers {
+            let want: BTreeMap<PartitionId, FencingToken> = status
+                .partitions
+                .iter()
+                .filter(|r| r.owner == w.session().0 && !r.revoking)
+                .map(|r| (PartitionId(r.partition), FencingToken(r.token)))
+                .collect();
+            if w.owned() != want {
+                return None;
+            }
+        }
+        Some(status)
+    })
+    .await
+}
+
+/// No partition is believed by two workers at this instant.
+pub fn single_believers(workers: &[&Worker]) {
+    let mut seen = BTreeMap::new();
+    for w in workers {
+        for (p, t) in w.owned() {
+            if let Some(other) = seen.insert(p, (w.session(), t)) {
+                panic!("{p} believed by {} (token {}) and {} (token {t})", other.0, other.1, w.session());
+            }
+        }
+    }
+}
+
+pub fn tokens(status: &StatusResponse) -> BTreeMap<u32, (u64, u64)> {
+    status.partitions.iter().map(|r| (r.partition, (r.owner, r.token))).collect()
+}

@@ -1,0 +1,87 @@
+//! The leader's lease table, driven with made-up instants: renewals, expiry, revoke deadlines,
+//! and the rule that a new leader never expires a lease early.
+
+use std::time::{Duration, Instant};
+use tenure::ids::{FencingToken, PartitionId, SessionId};
+use tenure::lease::{Due, LeaseTable};
+use tenure::ownership::{Command, Event, OwnershipState, Response};
+
+const TTL: Duration = Duration::from_millis(1000);
+const MS: Duration = Duration::from_millis(1);
+
+fn state_with_two_sessions() -> (OwnershipState, SessionId, SessionId) {
+    let mut s = OwnershipState::default();
+    s.apply(1, &Command::Configure { partition_count: 4, lease_ttl_ms: 1000 });
+    let join = |s: &mut OwnershipState, i, n: &str| match s
+        .apply(i, &Command::Join { name: n.into(), weight: 1, secret: n.into() })
+        .0
+    {
+        Response::Joined { session, .. } => session,
+        r => panic!("{r:?}"),
+    };
+    let a = join(&mut s, 2, "a");
+    let b = join(&mut s, 3, "b");
+    (s, a, b)
+}
+
+#[test]
+fn a_new_leader_starts_every_lease_at_its_own_start() {
+    let (state, a, b) = state_with_two_sessions();
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(TTL);
+    table.reset(t0, &state);
+    assert!(table.due(t0 + TTL - MS).is_empty(), "nothing expires before one full TTL");
+    let due = table.due(t0 + TTL);
+    assert_eq!(due.sessions, vec![a, b]);
+    // Revoking partitions (b's join revoked half of a's) get the same fresh deadline.
+    assert_eq!(due.revoking.len(), 2);
+}
+
+#[test]
+fn renewals_extend_from_their_arrival_and_never_shorten() {
+    let (state, a, b) = state_with_two_sessions();
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(TTL);
+    table.reset(t0, &state);
+    assert!(table.renew(a, t0 + 500 * MS));
+    assert!(table.renew(a, t0 + 100 * MS), "a late-arriving older renewal is accepted");
+    let due = table.due(t0 + TTL + MS);
+    assert_eq!(due.sessions, vec![b], "a runs until 1500 ms");
+    assert!(table.due(t0 + 1499 * MS).sessions.contains(&b), "b stays due until its expiry is applied");
+    assert!(table.due(t0 + 1500 * MS).sessions.contains(&a));
+}
+
+#[test]
+fn a_session_reported_due_is_never_renewed() {
+    let (state, a, _) = state_with_two_sessions();
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(TTL);
+    table.reset(t0, &state);
+    let due = table.due(t0 + TTL);
+    assert!(due.sessions.contains(&a));
+    assert!(!table.renew(a, t0 + TTL - MS), "a renewal racing the expiry decision loses");
+    assert!(!table.renewable(a, t0));
+    table.observe(t0 + TTL, &[Event::SessionEnded { session: a }]);
+    assert!(!table.due(t0 + TTL * 5).sessions.contains(&a), "an applied expiry is not reported again");
+}
+
+#[test]
+fn revoking_partitions_keep_the_deadline_they_had_when_revoked() {
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(TTL);
+    let a = SessionId(1);
+    table.observe(t0, &[Event::SessionStarted { session: a, name: "a".into() }]);
+    let p = PartitionId(3);
+    table.observe(t0 + 200 * MS, &[Event::Revoking { partition: p, session: a, token: FencingToken(2) }]);
+    assert!(table.renew(a, t0 + 900 * MS));
+    let due = table.due(t0 + TTL);
+    assert_eq!(due, Due { sessions: vec![], revoking: vec![(p, a)] }, "the revoked lease was not extended");
+    // Released and granted: no longer tracked, and the move latency is reported.
+    table.observe(t0 + TTL, &[Event::Released { partition: p, session: a, token: FencingToken(2) }]);
+    let moves = table.observe(
+        t0 + TTL + 5 * MS,
+        &[Event::Granted { partition: p, session: SessionId(2), token: FencingToken(9) }],
+    );
+    assert_eq!(moves, vec![TTL - 200 * MS + 5 * MS]);
+    assert!(table.due(t0 + TTL * 3).revoking.is_empty());
+}

@@ -1,0 +1,111 @@
+//! Property tests of placement: balance within one, minimal movement, determinism.
+
+use proptest::prelude::*;
+use std::collections::BTreeMap;
+use tenure::ids::SessionId;
+use tenure::placement::{place, quotas, Member};
+
+fn members(n: usize) -> Vec<Member> {
+    (1..=n as u64).map(|i| Member { session: SessionId(i), name: format!("w{i}"), weight: 1 }).collect()
+}
+
+fn counts(assignment: &[Option<SessionId>]) -> BTreeMap<SessionId, usize> {
+    let mut c = BTreeMap::new();
+    for s in assignment.iter().flatten() {
+        *c.entry(*s).or_insert(0) += 1;
+    }
+    c
+}
+
+fn assert_balanced(members: &[Member], assignment: &[Option<SessionId>]) {
+    let c = counts(assignment);
+    let p = assignment.len() as f64;
+    let w: f64 = members.iter().map(|m| m.weight as f64).sum();
+    for m in members {
+        let have = *c.get(&m.session).unwrap_or(&0) as f64;
+        let fair = p * m.weight as f64 / w;
+        assert!((have - fair).abs() < 1.0, "{} has {have}, fair share {fair}", m.name);
+    }
+    assert!(assignment.iter().all(|a| a.is_some()), "every partition is placed");
+}
+
+fn moved(before: &[Option<SessionId>], after: &[Option<SessionId>]) -> usize {
+    before.iter().zip(after).filter(|(b, a)| b.is_some() && b != a).count()
+}
+
+#[test]
+fn fifth_worker_takes_exactly_what_balance_requires() {
+    let four = members(4);
+    let start = place(&four, &vec![None; 1024]);
+    assert_balanced(&four, &start);
+    let five = members(5);
+    let after = place(&five, &start);
+    assert_balanced(&five, &after);
+    // 1024 / 5 = 204.8: the newcomer gets 204 (the old members keep 205 each), all from others.
+    assert_eq!(counts(&after)[&SessionId(5)], 204);
+    assert_eq!(moved(&start, &after), 204);
+}
+
+#[test]
+fn placement_of_nothing_and_to_nobody() {
+    assert_eq!(place(&[], &[None, Some(SessionId(3))]), vec![None, None]);
+    assert!(place(&members(3), &[]).is_empty());
+}
+
+proptest! {
+    #[test]
+    fn balanced_within_one_by_weight(
+        weights in proptest::collection::vec(1u32..5, 1..12),
+        partitions in 1usize..600,
+        seed_owner in proptest::collection::vec(0u64..14, 600),
+    ) {
+        let ms: Vec<Member> = weights.iter().enumerate()
+            .map(|(i, w)| Member { session: SessionId(i as u64 + 1), name: format!("n{i}"), weight: *w }).collect();
+        let current: Vec<Option<SessionId>> = seed_owner.iter().take(partitions)
+            .map(|&o| if o == 0 { None } else { Some(SessionId(o)) }).collect();
+        let current = if current.len() < partitions { vec![None; partitions] } else { current };
+        let target = place(&ms, &current);
+        assert_balanced(&ms, &target);
+        // Deterministic: same input, same output.
+        prop_assert_eq!(place(&ms, &current), target);
+    }
+
+    #[test]
+    fn a_join_moves_only_the_minimum(n in 1usize..9, partitions in 1usize..2000) {
+        let before_members = members(n);
+        let before = place(&before_members, &vec![None; partitions]);
+        let after_members = members(n + 1);
+        let after = place(&after_members, &before);
+        assert_balanced(&after_members, &after);
+        let newcomer = SessionId(n as u64 + 1);
+        let gained = counts(&after).get(&newcomer).copied().unwrap_or(0);
+        // Every moved partition went to the newcomer, and it got no more than its quota.
+        prop_assert_eq!(moved(&before, &after), gained);
+        let held: Vec<u32> = after_members.iter().map(|m| counts(&before).get(&m.session).copied().unwrap_or(0) as u32).collect();
+        let q = quotas(&after_members, &held, partitions as u32);
+        prop_assert_eq!(gained as u32, q[n]);
+    }
+
+    #[test]
+    fn a_crash_moves_only_the_dead_members_partitions(n in 2usize..9, partitions in 1usize..2000, dead in 0usize..9) {
+        let dead = dead % n;
+        let all = members(n);
+        let before = place(&all, &vec![None; partitions]);
+        let mut survivors = all.clone();
+        let gone = survivors.remove(dead).session;
+        let after = place(&survivors, &before);
+        assert_balanced(&survivors, &after);
+        for (b, a) in before.iter().zip(&after) {
+            if *b != Some(gone) {
+                prop_assert_eq!(b, a, "a survivor's partition moved");
+            }
+        }
+    }
+
+    #[test]
+    fn placement_is_stable_when_nothing_changes(n in 1usize..9, partitions in 1usize..2000) {
+        let ms = members(n);
+        let once = place(&ms, &vec![None; partitions]);
+        prop_assert_eq!(place(&ms, &once), once);
+    }
+}
