@@ -49,7 +49,10 @@ pub async fn run(partitions: u32, ttl: Duration, out: &mut (dyn Write + Send)) -
 
     let w3 = workers.remove("w3").expect("w3 is running");
     let died = Instant::now();
-    drop(w3);
+    match Arc::try_unwrap(w3) {
+        Ok(w3) => w3.abandon(),
+        Err(_) => bail!("w3 is still referenced"),
+    }
     settle(
         &cluster,
         2,
@@ -87,7 +90,8 @@ async fn spawn_worker(
         while let Some(event) = events.recv().await {
             let t = start.elapsed().as_secs_f64();
             let line = match &event {
-                WorkerEvent::Assigned { partition, token, range, .. } => {
+                WorkerEvent::Assigned(h) => {
+                    let (partition, token, range) = (h.partition(), h.token(), h.range());
                     format!("t={t:6.2}s  {name} assigned {partition:>4} token={token:<4} hashes {:#018x}..={:#018x}", range.start, range.end)
                 }
                 WorkerEvent::Revoking { partition, token } => {

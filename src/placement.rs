@@ -142,8 +142,8 @@ pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<Se
     // Hand out the free partitions: preferred member if it has room, else the next member with
     // room. The quotas sum to P, so every free partition finds a place.
     let mut cursor = 0usize;
-    for p in 0..holder.len() {
-        if holder[p].is_some() {
+    for (p, slot) in holder.iter_mut().enumerate() {
+        if slot.is_some() {
             continue;
         }
         let target = match preferred(p) {
@@ -155,7 +155,7 @@ pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<Se
                 cursor
             }
         };
-        holder[p] = Some(target);
+        *slot = Some(target);
         held[target] += 1;
     }
     holder.into_iter().map(|h| h.map(|i| members[i].session)).collect()

@@ -34,7 +34,7 @@ async fn a_silent_worker_loses_its_partitions_after_the_ttl_and_they_get_higher_
     let dead = w3.session().0;
 
     let silent_since = Instant::now();
-    drop(w3);
+    w3.abandon();
     let after = tokens(&settled(&c, 2).await);
     // The last renewal was sent at most one heartbeat interval (TTL/4) before the silence began,
     // so the coordinator cannot have expired the lease sooner than this.
@@ -101,7 +101,8 @@ async fn a_join_moves_only_what_balance_requires() {
 async fn losing_the_leader_expires_no_lease_and_tokens_keep_growing() {
     let dir = tempfile::tempdir().unwrap();
     let mut c = cluster(dir.path()).await;
-    let (w1, w2) = (worker(&c, "w1").await, worker(&c, "w2").await);
+    let (mut w1, w2) = (worker(&c, "w1").await, worker(&c, "w2").await);
+    let mut w1_events = w1.events();
     settled(&c, 2).await;
     let before = tokens(&workers_agree(&c, &[&w1, &w2]).await);
     let old = c.leader().unwrap();
@@ -117,6 +118,13 @@ async fn losing_the_leader_expires_no_lease_and_tokens_keep_growing() {
     let status = c.status().await.unwrap();
     assert_eq!(status.sessions.len(), 2, "no session expired because of the failover");
     assert_eq!(tokens(&status), before, "no partition was granted again");
+    // With a 1 s TTL the worker may stop believing while no leader answers (its local lease is
+    // the cautious one), but the coordinator never took anything away.
+    while let Ok(event) = w1_events.try_recv() {
+        if let tenure::worker::WorkerEvent::Lost { reason, .. } = event {
+            assert_eq!(reason, tenure::worker::LostReason::DeadlineExpired, "{event:?}");
+        }
+    }
     workers_agree(&c, &[&w1, &w2]).await;
     // A newcomer's grants are above every token issued before the failover.
     let max_before = before.values().map(|(_, t)| *t).max().unwrap();
@@ -149,7 +157,7 @@ async fn restarting_every_node_keeps_every_grant_and_never_reissues_a_token() {
     assert_eq!(tokens(&status), before, "every acknowledged grant survived");
     // The workers reconnect and keep their sessions (the new leader started every lease anew).
     workers_agree(&c, &[&w1, &w2]).await;
-    drop(w2);
+    w2.abandon();
     let after = tokens(&settled(&c, 1).await);
     let max_before = before.values().map(|(_, t)| *t).max().unwrap();
     for (p, (_, token)) in &after {

@@ -1,7 +1,7 @@
 //! openraft's storage conformance suite against the RocksDB store, plus durability checks of our
 //! own: what an apply batch wrote survives reopening the database.
 
-use openraft::storage::{RaftLogStorage, RaftStateMachine};
+use openraft::storage::RaftStateMachine;
 use openraft::testing::{StoreBuilder, Suite};
 use openraft::{Entry, EntryPayload, LogId, StorageError};
 use tempfile::TempDir;
@@ -77,5 +77,6 @@ async fn applied_rows_and_tokens_survive_reopening() {
     let applied = shared.read().unwrap();
     assert_eq!(applied.state.partition(PartitionId(0)).unwrap().token, FencingToken(2));
     assert_eq!(applied.last_applied.map(|l| l.index), Some(3));
-    let _ = LogStore::new(db).get_log_reader().await;
+    drop(applied);
+    drop(db);
 }

@@ -19,7 +19,7 @@
 //! let mut events = worker.events();
 //! while let Some(event) = events.recv().await {
 //!     match event {
-//!         WorkerEvent::Assigned { partition, token, .. } => println!("own {partition} under {token}"),
+//!         WorkerEvent::Assigned(handle) => println!("own {} under {}", handle.partition(), handle.token()),
 //!         WorkerEvent::Revoking { partition, .. } => { worker.release(&[partition]).await?; }
 //!         WorkerEvent::Lost { partition, .. } => println!("stop {partition} now"),
 //!         _ => {}
@@ -32,12 +32,13 @@ mod client;
 
 pub use client::{Client, ClientError};
 
+use crate::fence::{FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::{HashRange, KeySpace};
 use crate::proto;
 use crate::proto::ownership_event::Kind;
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, Notify};
 use tokio_stream::StreamExt;
@@ -71,20 +72,25 @@ impl WorkerConfig {
 /// Why a partition was lost.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LostReason {
-    /// The local lease ran out before a renewal confirmed it.
+    /// The local lease ran out before a renewal confirmed it (coordinator unreachable, or a
+    /// revoking partition not released in time).
     DeadlineExpired,
     /// The coordinator took it away (its lease expired there).
     Expired,
+    /// The fenced store saw a newer owner: this worker's token is stale.
+    Fenced,
     /// The session itself ended.
     SessionEnded,
 }
 
-/// What the application is told, in order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What the application is told, in order. Every [`WorkerEvent::Assigned`] is followed, sooner
+/// or later, by exactly one terminal event for the same partition and token: `Lost` or
+/// `Released`.
+#[derive(Clone, Debug)]
 pub enum WorkerEvent {
-    /// The partition is yours under `token` until at least `valid_until` (renewed silently).
-    Assigned { partition: PartitionId, token: FencingToken, range: HashRange, valid_until: Instant },
-    /// Finish or checkpoint, then call [`Worker::release`].
+    /// The partition is yours: act on it through the handle, under its token.
+    Assigned(PartitionHandle),
+    /// Finish or checkpoint, then call [`Worker::release`]. The handle's cancellation fires now.
     Revoking { partition: PartitionId, token: FencingToken },
     /// Already gone: stop at once.
     Lost { partition: PartitionId, token: FencingToken, reason: LostReason },
@@ -95,15 +101,23 @@ pub enum WorkerEvent {
 }
 
 /// A partition this worker has been told about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Held {
-    pub token: FencingToken,
-    pub revoking: bool,
+#[derive(Clone, Debug)]
+struct Held {
+    token: FencingToken,
+    revoking: bool,
     /// `None` until a renewal confirms it.
-    pub valid_until: Option<Instant>,
+    valid_until: Option<Instant>,
+    /// Fires on revoke, loss or release.
+    cancel: CancellationToken,
 }
 
-struct Shared {
+impl Held {
+    fn announced(token: FencingToken) -> Held {
+        Held { token, revoking: false, valid_until: None, cancel: CancellationToken::new() }
+    }
+}
+
+pub(crate) struct Shared {
     held: Mutex<BTreeMap<PartitionId, Held>>,
     // Unbounded on purpose: the background tasks must never wait for the application. The number
     // of pending events is bounded by partitions times transitions.
@@ -120,94 +134,130 @@ impl Shared {
         let _ = self.events.send(event);
     }
 
-    fn renewed(&self, sent: Instant, renewed: &[proto::PartitionLease]) {
+    fn renewed(self: &Arc<Self>, sent: Instant, renewed: &[proto::PartitionLease]) {
         let valid_until = sent + self.ttl.saturating_sub(self.margin);
         let mut held = self.held.lock().expect("worker lock poisoned");
         for lease in renewed {
             let (partition, token) = (PartitionId(lease.partition), FencingToken(lease.token));
-            let entry = held.get(&partition).copied();
-            match entry {
+            match held.get_mut(&partition) {
                 Some(h) if h.token == token => {
                     if h.revoking {
                         continue;
                     }
+                    let first = h.valid_until.is_none();
                     let until = h.valid_until.map_or(valid_until, |v| v.max(valid_until));
-                    held.insert(partition, Held { valid_until: Some(until), ..h });
-                    if h.valid_until.is_none() {
-                        self.assigned(partition, token, until);
+                    h.valid_until = Some(until);
+                    if first {
+                        let cancel = h.cancel.clone();
+                        self.assigned(partition, token, cancel);
                     }
                 }
                 Some(h) if h.token > token => {}
                 _ => {
-                    if let Some(old) = entry.filter(|h| h.valid_until.is_some()) {
-                        self.emit(WorkerEvent::Lost {
-                            partition,
-                            token: old.token,
-                            reason: LostReason::Expired,
-                        });
+                    if let Some(old) = held.remove(&partition) {
+                        self.terminate(partition, old, LostReason::Expired);
                     }
-                    held.insert(partition, Held { token, revoking: false, valid_until: Some(valid_until) });
-                    self.assigned(partition, token, valid_until);
+                    let mut h = Held::announced(token);
+                    h.valid_until = Some(valid_until);
+                    let cancel = h.cancel.clone();
+                    held.insert(partition, h);
+                    self.assigned(partition, token, cancel);
                 }
             }
         }
     }
 
-    fn assigned(&self, partition: PartitionId, token: FencingToken, valid_until: Instant) {
+    fn assigned(self: &Arc<Self>, partition: PartitionId, token: FencingToken, cancel: CancellationToken) {
         let range = self.keyspace.range(partition).unwrap_or(HashRange { start: 0, end: 0 });
-        self.emit(WorkerEvent::Assigned { partition, token, range, valid_until });
+        self.emit(WorkerEvent::Assigned(PartitionHandle {
+            partition,
+            token,
+            range,
+            cancel,
+            shared: Arc::downgrade(self),
+        }));
+    }
+
+    /// Ends a removed partition: fires its cancellation and, if the application was told about
+    /// it, reports the loss.
+    fn terminate(&self, partition: PartitionId, h: Held, reason: LostReason) {
+        h.cancel.cancel();
+        if h.valid_until.is_some() {
+            self.emit(WorkerEvent::Lost { partition, token: h.token, reason });
+        }
+    }
+
+    fn released(&self, partition: PartitionId) {
+        let mut held = self.held.lock().expect("worker lock poisoned");
+        if let Some(h) = held.remove(&partition) {
+            h.cancel.cancel();
+            if h.valid_until.is_some() {
+                self.emit(WorkerEvent::Released { partition, token: h.token });
+            }
+        }
     }
 
     fn streamed(&self, event: &proto::OwnershipEvent) {
         let (partition, token) = (PartitionId(event.partition), FencingToken(event.token));
         let mut held = self.held.lock().expect("worker lock poisoned");
-        let current = held.get(&partition).copied();
+        let current = held.get(&partition).map(|h| (h.token, h.revoking));
         match Kind::try_from(event.kind).unwrap_or(Kind::Unspecified) {
             Kind::Assigned => {
-                if current.is_none_or(|h| h.token < token) {
-                    held.insert(partition, Held { token, revoking: false, valid_until: None });
+                if current.is_none_or(|(t, _)| t < token) {
+                    if let Some(old) = held.insert(partition, Held::announced(token)) {
+                        self.terminate(partition, old, LostReason::Expired);
+                    }
                     self.kick.notify_one();
                 }
             }
             Kind::Revoking => {
-                if let Some(h) = current.filter(|h| h.token == token && !h.revoking) {
-                    held.insert(partition, Held { revoking: true, ..h });
-                    self.emit(WorkerEvent::Revoking { partition, token });
-                }
-            }
-            Kind::Lost => {
-                if let Some(h) = current.filter(|h| h.token <= token) {
-                    held.remove(&partition);
+                if current == Some((token, false)) {
+                    let h = held.get_mut(&partition).expect("present");
+                    h.revoking = true;
+                    h.cancel.cancel();
                     if h.valid_until.is_some() {
-                        self.emit(WorkerEvent::Lost {
-                            partition,
-                            token: h.token,
-                            reason: LostReason::Expired,
-                        });
+                        self.emit(WorkerEvent::Revoking { partition, token });
                     }
                 }
             }
+            Kind::Lost => {
+                if current.is_some_and(|(t, _)| t <= token) {
+                    let h = held.remove(&partition).expect("present");
+                    self.terminate(partition, h, LostReason::Expired);
+                }
+            }
             Kind::Released => {
-                if current.is_some_and(|h| h.token == token) {
-                    held.remove(&partition);
-                    self.emit(WorkerEvent::Released { partition, token });
+                if current.is_some_and(|(t, _)| t == token) {
+                    drop(held);
+                    self.released(partition);
                 }
             }
             Kind::Unspecified => {}
         }
     }
 
+    /// The fenced store rejected `token`: the partition is lost, whatever the lease says.
+    fn fenced_out(&self, partition: PartitionId, token: FencingToken) {
+        let mut held = self.held.lock().expect("worker lock poisoned");
+        if held.get(&partition).is_some_and(|h| h.token <= token) {
+            let h = held.remove(&partition).expect("present");
+            self.terminate(partition, h, LostReason::Fenced);
+        }
+    }
+
+    fn valid_until(&self, partition: PartitionId, token: FencingToken) -> Option<Instant> {
+        let held = self.held.lock().expect("worker lock poisoned");
+        held.get(&partition).filter(|h| h.token == token).and_then(|h| h.valid_until)
+    }
+
     /// Drops every partition whose local lease has run out; returns the next deadline.
     fn check_deadlines(&self, now: Instant) -> Option<Instant> {
         let mut held = self.held.lock().expect("worker lock poisoned");
-        let expired: Vec<(PartitionId, Held)> = held
-            .iter()
-            .filter(|(_, h)| h.valid_until.is_some_and(|v| v <= now))
-            .map(|(p, h)| (*p, *h))
-            .collect();
-        for (partition, h) in expired {
-            held.remove(&partition);
-            self.emit(WorkerEvent::Lost { partition, token: h.token, reason: LostReason::DeadlineExpired });
+        let expired: Vec<PartitionId> =
+            held.iter().filter(|(_, h)| h.valid_until.is_some_and(|v| v <= now)).map(|(p, _)| *p).collect();
+        for partition in expired {
+            let h = held.remove(&partition).expect("present");
+            self.terminate(partition, h, LostReason::DeadlineExpired);
         }
         held.values().filter_map(|h| h.valid_until).min()
     }
@@ -215,17 +265,97 @@ impl Shared {
     fn end_session(&self, reason: String) {
         let mut held = self.held.lock().expect("worker lock poisoned");
         for (partition, h) in std::mem::take(&mut *held) {
-            if h.valid_until.is_some() {
-                self.emit(WorkerEvent::Lost { partition, token: h.token, reason: LostReason::SessionEnded });
-            }
+            self.terminate(partition, h, LostReason::SessionEnded);
         }
         self.emit(WorkerEvent::SessionEnded { reason });
         self.session_over.cancel();
     }
 }
 
-/// A joined worker. Dropping it stops its heartbeats (the coordinator then expires it); call
-/// [`Worker::leave`] to hand partitions over gracefully.
+/// One owned partition, as the application holds it: its id, hash range and fencing token, and
+/// a cancellation token that fires when the partition is revoked, lost or released. A handle
+/// cannot outlive its token: once the partition moves on, [`PartitionHandle::is_valid`] is false
+/// and the fenced store refuses its writes.
+///
+/// The documented order for a new owner is [`PartitionHandle::acquire`] first (raise the fence,
+/// then read the checkpoint), then work, writing through the handle.
+#[derive(Clone)]
+pub struct PartitionHandle {
+    partition: PartitionId,
+    token: FencingToken,
+    range: HashRange,
+    cancel: CancellationToken,
+    shared: Weak<Shared>,
+}
+
+impl std::fmt::Debug for PartitionHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionHandle")
+            .field("partition", &self.partition)
+            .field("token", &self.token)
+            .field("range", &self.range)
+            .finish()
+    }
+}
+
+impl PartitionHandle {
+    pub fn partition(&self) -> PartitionId {
+        self.partition
+    }
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+    pub fn range(&self) -> HashRange {
+        self.range
+    }
+    /// Fires when the partition is revoked, lost or released.
+    pub fn cancellation(&self) -> CancellationToken {
+        self.cancel.clone()
+    }
+    /// Until when this worker may believe it holds the partition, by its monotonic clock.
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.shared.upgrade().and_then(|s| s.valid_until(self.partition, self.token))
+    }
+    /// Whether the local lease is still running. A cheap early stop; the fenced store is what
+    /// makes a late writer harmless.
+    pub fn is_valid(&self) -> bool {
+        !self.cancel.is_cancelled() && self.valid_until().is_some_and(|v| v > Instant::now())
+    }
+
+    fn check<T>(&self, result: Result<T, FenceError>) -> Result<T, FenceError> {
+        if let Err(FenceError::Stale { .. }) = &result {
+            if let Some(shared) = self.shared.upgrade() {
+                shared.fenced_out(self.partition, self.token);
+            }
+        }
+        result
+    }
+
+    /// Fence-before-resume: raises the partition's fence to this token, then reads the
+    /// checkpoint to resume from. After this returns, no older owner can change that state.
+    pub async fn acquire(&self, store: &impl FenceStore) -> Result<Option<Vec<u8>>, FenceError> {
+        self.check(store.raise(self.partition, self.token).await)?;
+        self.check(store.checkpoint(self.partition, self.token).await)
+    }
+
+    /// Writes under this partition's token; a stale token reports the partition lost.
+    pub async fn write(&self, store: &impl FenceStore, key: &[u8], value: &[u8]) -> Result<(), FenceError> {
+        self.check(store.write(self.partition, self.token, key, value).await)
+    }
+
+    /// Saves the checkpoint under this partition's token.
+    pub async fn save_checkpoint(
+        &self,
+        store: &impl FenceStore,
+        checkpoint: &[u8],
+    ) -> Result<(), FenceError> {
+        self.check(store.save_checkpoint(self.partition, self.token, checkpoint).await)
+    }
+}
+
+/// A joined worker. [`Worker::leave`] hands its partitions over gracefully; dropping it does the
+/// same on a best-effort basis (when a Tokio runtime is still running); [`Worker::abandon`]
+/// stops it as a crash would.
 pub struct Worker {
     client: Client,
     session: SessionId,
@@ -233,11 +363,34 @@ pub struct Worker {
     shared: Arc<Shared>,
     events: Option<mpsc::UnboundedReceiver<WorkerEvent>>,
     cancel: CancellationToken,
+    /// Set once the session was left or abandoned, so dropping does not leave again.
+    left: std::sync::atomic::AtomicBool,
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         self.cancel.cancel();
+        if self.left.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
+        let (client, session_id, secret) = (self.client.clone(), self.session.0, self.secret.clone());
+        runtime.spawn(async move {
+            let leave = proto::LeaveRequest { session_id, secret: secret.clone() };
+            let release = proto::ReleaseRequest { session_id, secret, partitions: Vec::new(), all: true };
+            let left = client.call(|mut c| {
+                let leave = leave.clone();
+                async move { c.leave(leave).await }
+            });
+            if left.await.is_ok() {
+                let _ = client
+                    .call(|mut c| {
+                        let release = release.clone();
+                        async move { c.release(release).await }
+                    })
+                    .await;
+            }
+        });
     }
 }
 
@@ -273,6 +426,7 @@ impl Worker {
             shared,
             events: Some(rx),
             cancel,
+            left: std::sync::atomic::AtomicBool::new(false),
         };
         let every = config.heartbeat_interval.unwrap_or(ttl / 4);
         tokio::spawn(worker.heartbeat_loop(every));
@@ -308,6 +462,13 @@ impl Worker {
             .collect()
     }
 
+    /// Stops every background task without telling the coordinator, as a crash would: the
+    /// coordinator expires the session after the TTL.
+    pub fn abandon(self) {
+        self.left.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.cancel.cancel();
+    }
+
     /// Gives partitions back to the cluster.
     pub async fn release(&self, partitions: &[PartitionId]) -> Result<(), ClientError> {
         self.send_release(partitions.iter().map(|p| p.0).collect(), false).await
@@ -332,11 +493,8 @@ impl Worker {
                 async move { c.release(request).await }
             })
             .await?;
-        let mut held = self.shared.held.lock().expect("worker lock poisoned");
         for p in reply.released {
-            if let Some(h) = held.remove(&PartitionId(p)) {
-                self.shared.emit(WorkerEvent::Released { partition: PartitionId(p), token: h.token });
-            }
+            self.shared.released(PartitionId(p));
         }
         Ok(())
     }
@@ -358,6 +516,7 @@ impl Worker {
             Err(e) if e.is_session_gone() => {}
             Err(e) => return Err(e),
         }
+        self.left.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.end_session("left".into());
         self.cancel.cancel();
         Ok(())

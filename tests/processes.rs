@@ -1,0 +1,102 @@
+//! The operator's path: three `tenure serve` processes on loopback, `tenure ctl status`, and the
+//! Prometheus endpoint, all through the real binary.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tenure::worker::{Worker, WorkerConfig};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tenure");
+
+/// Kills the processes when the test ends, however it ends.
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn http_get(addr: &str, path: &str) -> Option<String> {
+    let mut stream = TcpStream::connect(addr).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").ok()?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).ok()?;
+    Some(body)
+}
+
+fn ctl_status(coordinators: &str) -> Option<String> {
+    let out = Command::new(BIN).args(["ctl", "--coordinators", coordinators, "status"]).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let peers = ports
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{}=127.0.0.1:{p}", i + 1))
+        .collect::<Vec<_>>()
+        .join(",");
+    let mut children = Processes(Vec::new());
+    for (i, metrics_port) in metrics.iter().enumerate() {
+        let child = Command::new(BIN)
+            .args(["serve", "--id", &(i + 1).to_string(), "--peers", &peers])
+            .arg("--data-dir")
+            .arg(dir.path().join(format!("n{i}")))
+            .args(["--partitions", "16", "--lease-ttl-ms", "2000"])
+            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        children.0.push(child);
+    }
+    let coordinators = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+    let status = until("a leader and a configured table", || {
+        ctl_status(&coordinators).filter(|s| s.contains("16 partitions") && !s.contains("leader: node 0"))
+    });
+    assert!(status.contains("nodes: 1=127.0.0.1:"), "{status}");
+
+    // A worker joins through the library; ctl then shows it owning all 16 partitions.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let addrs: Vec<String> = coordinators.split(',').map(str::to_string).collect();
+    let worker = runtime.block_on(Worker::join(WorkerConfig::new(addrs, "proc-worker"))).unwrap();
+    let status = until("the worker owns every partition", || {
+        ctl_status(&coordinators).filter(|s| s.contains("owns 16"))
+    });
+    assert!(status.contains("proc-worker"), "{status}");
+
+    // The leader's metrics endpoint reports the grants.
+    let scraped = until("grants in the metrics", || {
+        metrics
+            .iter()
+            .filter_map(|m| http_get(&format!("127.0.0.1:{m}"), "/metrics"))
+            .find(|b| b.contains("tenure_grants_total"))
+    });
+    assert!(scraped.contains("tenure_owned_partitions"), "{scraped}");
+    drop(worker);
+}
