@@ -70,7 +70,7 @@ async fn revoking_fires_the_cancellation_and_release_is_the_one_terminal_event()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_coordinator_means_lost_by_deadline_before_the_ttl() {
+async fn an_unreachable_coordinator_means_lost_by_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let mut c = cluster(dir.path()).await;
     let mut w = worker(&c, "w1").await;
@@ -122,5 +122,33 @@ async fn a_fencing_rejection_reports_the_partition_lost() {
     assert!(h.cancellation().is_cancelled());
     assert!(!w.owned().contains_key(&PartitionId(5)));
     assert_eq!(store.read(PartitionId(5), b"k").await.unwrap().as_deref(), Some(&b"v1"[..]));
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_follows_the_table_for_any_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let router = tenure::worker::Router::connect(c.addrs()).unwrap();
+    let (w1, w2) = (worker(&c, "w1").await, worker(&c, "w2").await);
+    let status = settled(&c, 2).await;
+    let space = tenure::keyspace::KeySpace::new(status.partition_count).unwrap();
+    let keys: Vec<String> = (0..50).map(|i| format!("customer-{i}")).collect();
+    eventually("the router agrees with the table for every key", || async {
+        keys.iter()
+            .all(|k| {
+                let p = space.partition_of_key(k.as_bytes());
+                let row = &status.partitions[p.0 as usize];
+                router.route(k.as_bytes()).is_some_and(|r| {
+                    r.partition == p && r.session.0 == row.owner && r.token.0 == row.token && !r.revoking
+                })
+            })
+            .then_some(())
+    })
+    .await;
+    let names: std::collections::BTreeSet<String> =
+        keys.iter().filter_map(|k| router.route(k.as_bytes())).map(|r| r.worker).collect();
+    assert_eq!(names, ["w1", "w2"].into_iter().map(String::from).collect());
+    drop((w1, w2));
     c.shutdown().await;
 }

@@ -60,6 +60,23 @@ impl CoordinatorService {
     }
 }
 
+type RoutesStream = Pin<Box<dyn Stream<Item = Result<proto::RouteUpdate, Status>> + Send>>;
+
+/// The current route of one partition, read from the applied table. Updates always carry the
+/// row as it is now, so a watcher that applies them in order converges on the table.
+fn route_of(state: &crate::ownership::OwnershipState, p: PartitionId) -> proto::RouteUpdate {
+    let record = state.partition(p).copied().unwrap_or_default();
+    let worker = record.owner.and_then(|s| state.session(s)).map(|r| r.name.clone()).unwrap_or_default();
+    proto::RouteUpdate {
+        partition: p.0,
+        session_id: record.owner.map(|s| s.0).unwrap_or(0),
+        worker,
+        token: record.token.0,
+        revoking: record.revoking,
+        partition_count: state.config().map(|c| c.partition_count).unwrap_or(0),
+    }
+}
+
 type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::OwnershipEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -250,6 +267,66 @@ impl Coordinator for CoordinatorService {
                     };
                     if tx.send(Ok(out)).await.is_err() {
                         return; // the worker hung up
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
+    }
+
+    type RoutesStream = RoutesStream;
+
+    async fn routes(&self, _req: Request<proto::RoutesRequest>) -> Result<Response<RoutesStream>, Status> {
+        self.node.ensure_leader()?;
+        let mut events = self.node.sm.subscribe();
+        let (initial, from_index) = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            let rows: Vec<proto::RouteUpdate> = (0..applied.state.partitions().len() as u32)
+                .map(|p| route_of(&applied.state, PartitionId(p)))
+                .collect();
+            (rows, applied.last_applied.map(|l| l.index).unwrap_or(0))
+        };
+        let (tx, rx) = mpsc::channel(1024);
+        let node = self.node.clone();
+        tokio::spawn(async move {
+            for row in initial {
+                if tx.send(Ok(row)).await.is_err() {
+                    return;
+                }
+            }
+            loop {
+                let received = tokio::select! {
+                    _ = node.stopping.cancelled() => return,
+                    received = events.recv() => received,
+                };
+                let applied = match received {
+                    Ok(applied) => applied,
+                    Err(_) => {
+                        let _ = tx.send(Err(Status::aborted("routes fell behind; reconnect"))).await;
+                        return;
+                    }
+                };
+                if applied.index <= from_index {
+                    continue;
+                }
+                let rows: Vec<proto::RouteUpdate> = {
+                    let state = node.state.read().expect("state lock poisoned");
+                    applied
+                        .events
+                        .iter()
+                        .filter_map(|e| match e {
+                            Event::Granted { partition, .. }
+                            | Event::Revoking { partition, .. }
+                            | Event::Released { partition, .. }
+                            | Event::Lost { partition, .. } => Some(*partition),
+                            _ => None,
+                        })
+                        .map(|p| route_of(&state.state, p))
+                        .collect()
+                };
+                for row in rows {
+                    if tx.send(Ok(row)).await.is_err() {
+                        return;
                     }
                 }
             }

@@ -29,8 +29,10 @@
 //! ```
 
 mod client;
+mod router;
 
 pub use client::{Client, ClientError};
+pub use router::{Route, Router};
 
 use crate::fence::{FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId, SessionId};
