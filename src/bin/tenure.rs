@@ -29,6 +29,27 @@ enum Command {
     Demo(DemoArgs),
     /// Inspect a running cluster.
     Ctl(CtlArgs),
+    /// Run a worker that writes a counter per owned partition into a PostgreSQL-fenced store,
+    /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
+    #[cfg(feature = "fence-postgres")]
+    Work(WorkArgs),
+}
+
+#[cfg(feature = "fence-postgres")]
+#[derive(Args)]
+struct WorkArgs {
+    /// Coordinator addresses (host:port), comma separated.
+    #[arg(long, env = "TENURE_COORDINATORS", value_delimiter = ',', required = true)]
+    coordinators: Vec<String>,
+    /// The worker's stable name.
+    #[arg(long)]
+    name: String,
+    /// libpq-style connection string of the fenced store.
+    #[arg(long, env = "TENURE_FENCE_POSTGRES")]
+    postgres: String,
+    /// Time between writes, per partition.
+    #[arg(long, default_value_t = 50)]
+    write_every_ms: u64,
 }
 
 #[derive(Args)]
@@ -116,6 +137,8 @@ async fn main() -> Result<()> {
             .await
         }
         Command::Ctl(args) => ctl(args).await,
+        #[cfg(feature = "fence-postgres")]
+        Command::Work(args) => work(args).await,
     }
 }
 
@@ -149,6 +172,59 @@ async fn serve(args: ServeArgs) -> Result<()> {
     tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
     tracing::info!("shutting down");
     node.shutdown().await;
+    Ok(())
+}
+
+/// A deliberately naive application loop: it sleeps, writes, and only then looks at whether it
+/// still owns the partition, as a program that was paused mid-loop would. The fence is what keeps
+/// its late writes out.
+#[cfg(feature = "fence-postgres")]
+async fn work(args: WorkArgs) -> Result<()> {
+    use std::sync::Arc;
+    use tenure::fence::{FenceError, PostgresFence};
+    use tenure::worker::{Worker, WorkerConfig, WorkerEvent};
+    let store = Arc::new(PostgresFence::connect(&args.postgres).await?);
+    let mut worker = Worker::join(WorkerConfig::new(args.coordinators, args.name)).await?;
+    let mut events = worker.events();
+    println!("JOINED session={}", worker.session());
+    let every = Duration::from_millis(args.write_every_ms);
+    while let Some(event) = events.recv().await {
+        match event {
+            WorkerEvent::Assigned(h) => {
+                println!("ASSIGNED {} token={}", h.partition(), h.token());
+                let store = store.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = h.acquire(&*store).await {
+                        println!("REJECT {} token={} ({e})", h.partition(), h.token());
+                        return;
+                    }
+                    for n in 1u64.. {
+                        tokio::time::sleep(every).await;
+                        match h.write(&*store, b"counter", format!("{}:{n}", h.token()).as_bytes()).await {
+                            Ok(()) => println!("ACCEPT {} token={} n={n}", h.partition(), h.token()),
+                            Err(FenceError::Stale { highest, .. }) => {
+                                println!("REJECT {} token={} highest={highest}", h.partition(), h.token());
+                                return;
+                            }
+                            Err(e) => println!("ERROR {} {e}", h.partition()),
+                        }
+                        if h.cancellation().is_cancelled() {
+                            return;
+                        }
+                    }
+                });
+            }
+            WorkerEvent::Revoking { partition, .. } => {
+                let _ = worker.release(&[partition]).await;
+            }
+            WorkerEvent::Lost { partition, token, reason } => {
+                println!("LOST {partition} token={token} {reason:?}")
+            }
+            WorkerEvent::Released { partition, token } => println!("RELEASED {partition} token={token}"),
+            // Keep running: writers that were mid-loop still get to try (and be refused).
+            WorkerEvent::SessionEnded { reason } => println!("ENDED {reason}"),
+        }
+    }
     Ok(())
 }
 

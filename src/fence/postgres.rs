@@ -1,6 +1,10 @@
 //! A fenced store on PostgreSQL. The rule lives in the statement: the fence row is raised with a
 //! conditional upsert (`... WHERE fence_token <= $token`), and one row affected means the write
 //! is in. The data write happens in the same transaction, so both commit or neither does.
+//!
+//! A writer frozen inside a transaction (a paused process) holds the fence row's lock and would
+//! block the next owner; set `idle_in_transaction_session_timeout` on the writers' sessions so
+//! the server ends such transactions.
 
 use super::{FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId};
