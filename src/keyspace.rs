@@ -12,7 +12,7 @@
 //! |-----------|----------------------|------------------|
 //! | `""`      | `0xef46db3751d8e999` | 239              |
 //! | `"a"`     | `0xd24ec4f1a98c6e5b` | 210              |
-//! | `"tenure"`| see `tests/keyspace.rs` |               |
+//! | `"abc"`   | `0x44bc2cf5ad770999` | 68               |
 //!
 //! ```
 //! use tenure::keyspace::{hash_key, KeySpace};
