@@ -37,15 +37,21 @@ pub async fn run(partitions: u32, ttl: Duration, out: &mut (dyn Write + Send)) -
     for name in ["w1", "w2", "w3"] {
         workers.insert(name, spawn_worker(&cluster, name, start, log.clone()).await?);
     }
-    settle(&cluster, 3, out, &log, "w1, w2 and w3 join").await?;
+    settle(&cluster, &workers, out, &log, "w1, w2 and w3 join").await?;
 
     workers.insert("w4", spawn_worker(&cluster, "w4", start, log.clone()).await?);
-    settle(&cluster, 4, out, &log, "w4 joins: only what balance requires moves to it").await?;
+    settle(&cluster, &workers, out, &log, "w4 joins: only what balance requires moves to it").await?;
 
     let w2 = workers.remove("w2").expect("w2 is running");
     w2.leave().await.context("w2 leaving")?;
-    settle(&cluster, 3, out, &log, "w2 leaves gracefully: its partitions are released and granted again")
-        .await?;
+    settle(
+        &cluster,
+        &workers,
+        out,
+        &log,
+        "w2 leaves gracefully: its partitions are released and granted again",
+    )
+    .await?;
 
     let w3 = workers.remove("w3").expect("w3 is running");
     let died = Instant::now();
@@ -55,7 +61,7 @@ pub async fn run(partitions: u32, ttl: Duration, out: &mut (dyn Write + Send)) -
     }
     settle(
         &cluster,
-        2,
+        &workers,
         out,
         &log,
         "w3 dies (stops heartbeating): after the TTL its partitions are granted elsewhere",
@@ -117,11 +123,12 @@ async fn spawn_worker(
     Ok(worker)
 }
 
-/// Waits until every partition is owned, none is revoking, and `sessions` live sessions hold a
-/// balanced share; then prints what happened meanwhile.
+/// Waits until every partition is owned, none is revoking, the live `workers` hold a balanced
+/// share, and each worker believes exactly what the table gives it; then prints what happened
+/// meanwhile.
 async fn settle(
     cluster: &LocalCluster,
-    sessions: usize,
+    workers: &BTreeMap<&str, Arc<Worker>>,
     out: &mut (dyn Write + Send),
     log: &Log,
     title: &str,
@@ -130,7 +137,7 @@ async fn settle(
     let until = Instant::now() + Duration::from_secs(30);
     loop {
         if let Ok(status) = cluster.status().await {
-            if is_settled(&status, sessions) {
+            if is_settled(&status, workers.len()) && workers.values().all(|w| believes_table(w, &status)) {
                 break;
             }
         }
@@ -139,13 +146,24 @@ async fn settle(
         }
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
-    // Let the workers' own confirmations arrive (one heartbeat), then print.
-    tokio::time::sleep(Duration::from_millis(400)).await;
     for line in log.lock().expect("log lock").drain(..) {
         writeln!(out, "{line}")?;
     }
     writeln!(out)?;
     Ok(())
+}
+
+/// Whether `worker` believes it holds exactly its non-revoking rows of the table.
+fn believes_table(worker: &Worker, status: &StatusResponse) -> bool {
+    let session = worker.session().0;
+    let want: Vec<(u32, u64)> = status
+        .partitions
+        .iter()
+        .filter(|r| r.owner == session && !r.revoking)
+        .map(|r| (r.partition, r.token))
+        .collect();
+    let have: Vec<(u32, u64)> = worker.owned().iter().map(|(p, t)| (p.0, t.0)).collect();
+    have == want
 }
 
 /// Every partition owned and not revoking, by exactly `sessions` live sessions, within one.

@@ -120,6 +120,12 @@ impl Coordinator for CoordinatorService {
             let applied = self.node.state.read().expect("state lock poisoned");
             applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
         }
+        // A lease that already ran out is refused here, without spending a quorum round on it.
+        if let Some(table) = self.node.leases.lock().expect("lease lock poisoned").as_ref() {
+            if !table.renewable(session, received) {
+                return Err(CoordinatorError::SessionExpired(session).into());
+            }
+        }
         let (reply, answer) = oneshot::channel();
         let pending = PendingRenewal { session, secret: req.secret, received, reply };
         self.node

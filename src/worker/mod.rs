@@ -376,23 +376,37 @@ impl Drop for Worker {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
-        let (client, session_id, secret) = (self.client.clone(), self.session.0, self.secret.clone());
+        let (client, session, secret) = (self.client.clone(), self.session, self.secret.clone());
         runtime.spawn(async move {
-            let leave = proto::LeaveRequest { session_id, secret: secret.clone() };
-            let release = proto::ReleaseRequest { session_id, secret, partitions: Vec::new(), all: true };
-            let left = client.call(|mut c| {
-                let leave = leave.clone();
-                async move { c.leave(leave).await }
-            });
-            if left.await.is_ok() {
-                let _ = client
-                    .call(|mut c| {
-                        let release = release.clone();
-                        async move { c.release(release).await }
-                    })
-                    .await;
+            if let Err(e) = leave_session(&client, session, secret).await {
+                tracing::debug!(error = %e, "leave on drop failed; the session will expire");
             }
         });
+    }
+}
+
+/// Leave, then release everything the session owns: the one graceful exit, shared by
+/// [`Worker::leave`] and the drop path. Returns the released partitions.
+async fn leave_session(client: &Client, session: SessionId, secret: String) -> Result<Vec<u32>, ClientError> {
+    let leave = proto::LeaveRequest { session_id: session.0, secret: secret.clone() };
+    client
+        .call(|mut c| {
+            let leave = leave.clone();
+            async move { c.leave(leave).await }
+        })
+        .await?;
+    let release = proto::ReleaseRequest { session_id: session.0, secret, partitions: Vec::new(), all: true };
+    let released = client
+        .call(|mut c| {
+            let release = release.clone();
+            async move { c.release(release).await }
+        })
+        .await;
+    match released {
+        Ok(reply) => Ok(reply.released),
+        // Releasing the last partition can end the session before the reply is read.
+        Err(e) if e.is_session_gone() => Ok(Vec::new()),
+        Err(e) => Err(e),
     }
 }
 
@@ -505,18 +519,8 @@ impl Worker {
     /// application should have finished or checkpointed its work), then the session ends and the
     /// background tasks stop.
     pub async fn leave(&self) -> Result<(), ClientError> {
-        let request = proto::LeaveRequest { session_id: self.session.0, secret: self.secret.clone() };
-        self.client
-            .call(|mut c| {
-                let request = request.clone();
-                async move { c.leave(request).await }
-            })
-            .await?;
-        match self.release_all().await {
-            Ok(()) => {}
-            // Releasing the last partition can end the session before the reply is read.
-            Err(e) if e.is_session_gone() => {}
-            Err(e) => return Err(e),
+        for p in leave_session(&self.client, self.session, self.secret.clone()).await? {
+            self.shared.released(PartitionId(p));
         }
         self.left.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.end_session("left".into());
