@@ -34,8 +34,12 @@ pub struct PostgresFence {
     client: Mutex<Client>,
 }
 
+/// The server's own words when it sent an error (the driver's `Display` says only "db error").
 fn db(e: tokio_postgres::Error) -> FenceError {
-    FenceError::Backend(e.to_string())
+    FenceError::Backend(match e.as_db_error() {
+        Some(err) => format!("{} ({}: {})", e, err.code().code(), err.message()),
+        None => e.to_string(),
+    })
 }
 
 fn sql_partition(p: PartitionId) -> Result<i32, FenceError> {
@@ -74,25 +78,49 @@ impl PostgresFence {
         Err(FenceError::Stale { partition: p, token, highest: FencingToken(highest as u64) })
     }
 
-    async fn fenced<F>(&self, p: PartitionId, token: FencingToken, then: F) -> Result<(), FenceError>
+    /// Runs `work` in one transaction that first raises the partition's fence to `token`: the
+    /// way to keep an application's own tables under the fence. If the token is stale, `work`
+    /// never runs; if `work` fails, nothing commits, the fence included.
+    ///
+    /// ```no_run
+    /// # async fn example(fence: &tenure::fence::PostgresFence) -> Result<(), tenure::fence::FenceError> {
+    /// use tenure::ids::{FencingToken, PartitionId};
+    /// let inserted = fence
+    ///     .transaction(PartitionId(3), FencingToken(41), |tx| {
+    ///         Box::pin(async move {
+    ///             tx.execute("INSERT INTO invoices (customer_id) VALUES (7)", &[])
+    ///                 .await
+    ///                 .map_err(|e| tenure::fence::FenceError::Backend(e.to_string()))
+    ///         })
+    ///     })
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn transaction<T, F>(
+        &self,
+        p: PartitionId,
+        token: FencingToken,
+        work: F,
+    ) -> Result<T, FenceError>
     where
         F: for<'a> FnOnce(
             &'a Transaction<'a>,
         ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<(), FenceError>> + Send + 'a>,
+            Box<dyn std::future::Future<Output = Result<T, FenceError>> + Send + 'a>,
         >,
     {
         let mut client = self.client.lock().await;
         let tx = client.transaction().await.map_err(db)?;
         Self::raise_in(&tx, p, token).await?;
-        then(&tx).await?;
-        tx.commit().await.map_err(db)
+        let value = work(&tx).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(value)
     }
 }
 
 impl FenceStore for PostgresFence {
     async fn raise(&self, partition: PartitionId, token: FencingToken) -> Result<(), FenceError> {
-        self.fenced(partition, token, |_| Box::pin(async { Ok(()) })).await
+        self.transaction(partition, token, |_| Box::pin(async { Ok(()) })).await
     }
 
     async fn write(
@@ -103,7 +131,7 @@ impl FenceStore for PostgresFence {
         value: &[u8],
     ) -> Result<(), FenceError> {
         let (p, key, value) = (sql_partition(partition)?, key.to_vec(), value.to_vec());
-        self.fenced(partition, token, move |tx| {
+        self.transaction(partition, token, move |tx| {
             Box::pin(async move {
                 tx.execute(
                     "INSERT INTO tenure_data (partition, key, value) VALUES ($1, $2, $3)
@@ -137,7 +165,7 @@ impl FenceStore for PostgresFence {
         checkpoint: &[u8],
     ) -> Result<(), FenceError> {
         let (p, checkpoint) = (sql_partition(partition)?, checkpoint.to_vec());
-        self.fenced(partition, token, move |tx| {
+        self.transaction(partition, token, move |tx| {
             Box::pin(async move {
                 tx.execute(
                     "UPDATE tenure_fence SET checkpoint = $2 WHERE partition = $1",

@@ -324,7 +324,10 @@ impl PartitionHandle {
         !self.cancel.is_cancelled() && self.valid_until().is_some_and(|v| v > Instant::now())
     }
 
-    fn check<T>(&self, result: Result<T, FenceError>) -> Result<T, FenceError> {
+    /// Passes on the result of a fenced operation done under this handle's token with a store of
+    /// the application's own (for PostgreSQL, `PostgresFence::transaction`); a stale rejection
+    /// reports the partition lost, exactly as [`PartitionHandle::write`] does.
+    pub fn observe<T>(&self, result: Result<T, FenceError>) -> Result<T, FenceError> {
         if let Err(FenceError::Stale { .. }) = &result {
             if let Some(shared) = self.shared.upgrade() {
                 shared.fenced_out(self.partition, self.token);
@@ -336,13 +339,13 @@ impl PartitionHandle {
     /// Fence-before-resume: raises the partition's fence to this token, then reads the
     /// checkpoint to resume from. After this returns, no older owner can change that state.
     pub async fn acquire(&self, store: &impl FenceStore) -> Result<Option<Vec<u8>>, FenceError> {
-        self.check(store.raise(self.partition, self.token).await)?;
-        self.check(store.checkpoint(self.partition, self.token).await)
+        self.observe(store.raise(self.partition, self.token).await)?;
+        self.observe(store.checkpoint(self.partition, self.token).await)
     }
 
     /// Writes under this partition's token; a stale token reports the partition lost.
     pub async fn write(&self, store: &impl FenceStore, key: &[u8], value: &[u8]) -> Result<(), FenceError> {
-        self.check(store.write(self.partition, self.token, key, value).await)
+        self.observe(store.write(self.partition, self.token, key, value).await)
     }
 
     /// Saves the checkpoint under this partition's token.
@@ -351,7 +354,7 @@ impl PartitionHandle {
         store: &impl FenceStore,
         checkpoint: &[u8],
     ) -> Result<(), FenceError> {
-        self.check(store.save_checkpoint(self.partition, self.token, checkpoint).await)
+        self.observe(store.save_checkpoint(self.partition, self.token, checkpoint).await)
     }
 }
 
