@@ -7,8 +7,10 @@
 //! Features: the core types, the key space and the [`fence`] check are always built and pull in
 //! nothing heavy; `fence-rocksdb` and `fence-postgres` add fenced stores; `worker` adds the
 //! worker library; `coordinator` (the default) adds the replicated coordinator and the binary.
+//! [`history`] records what a run did and checks it against the invariants.
 
 pub mod fence;
+pub mod history;
 pub mod ids;
 pub mod keyspace;
 

@@ -5,8 +5,25 @@ use crate::ids::{FencingToken, PartitionId};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-/// Everything behind one std mutex: nothing awaits while it is held, and one lock makes the
+/// An in-memory [`FenceStore`], for tests and examples; it forgets everything when dropped.
+///
+/// Everything is behind one std mutex: nothing awaits while it is held, and one lock makes the
 /// check and the write a single step.
+///
+/// ```
+/// # tokio_test_block_on(async {
+/// use tenure::fence::{FenceStore, MemoryFence};
+/// use tenure::ids::{FencingToken, PartitionId};
+/// let store = MemoryFence::default();
+/// let p = PartitionId(2);
+/// store.write(p, FencingToken(5), b"balance", b"100").await.unwrap();
+/// assert_eq!(store.read(p, b"balance").await.unwrap(), Some(b"100".to_vec()));
+/// assert_eq!(store.highest(p).await.unwrap(), Some(FencingToken(5)));
+/// # });
+/// # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+/// # }
+/// ```
 #[derive(Debug, Default)]
 pub struct MemoryFence {
     inner: Mutex<Inner>,

@@ -48,7 +48,18 @@ use crate::ids::{FencingToken, PartitionId};
 use std::collections::HashMap;
 use std::future::Future;
 
-/// Why a fenced operation failed.
+/// Why a fenced operation failed. `Stale` is final for the writer's token: stop acting on the
+/// partition. `Backend` says nothing about ownership; the operation may be retried.
+///
+/// ```
+/// use tenure::fence::{FenceError, FenceTable};
+/// use tenure::ids::{FencingToken, PartitionId};
+/// let mut fences = FenceTable::default();
+/// fences.admit(PartitionId(1), FencingToken(9)).unwrap();
+/// let err = fences.admit(PartitionId(1), FencingToken(8)).unwrap_err();
+/// assert!(matches!(err, FenceError::Stale { highest: FencingToken(9), .. }));
+/// assert_eq!(err.to_string(), "stale token 8 for p1: highest seen is 9");
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FenceError {
     /// A newer owner has been seen for this partition: the writer lost it and must stop.
@@ -60,12 +71,31 @@ pub enum FenceError {
 }
 
 /// The rule, once: accept iff `token >= highest`.
+///
+/// ```
+/// use tenure::fence::admits;
+/// use tenure::ids::FencingToken;
+/// assert!(admits(None, FencingToken(1))); // nothing seen yet
+/// assert!(admits(Some(FencingToken(5)), FencingToken(5))); // the same owner, writing again
+/// assert!(!admits(Some(FencingToken(5)), FencingToken(4))); // an owner that was replaced
+/// ```
 pub fn admits(highest: Option<FencingToken>, token: FencingToken) -> bool {
     highest.is_none_or(|h| token >= h)
 }
 
 /// The highest token seen per partition, with the check in one place. Backends that keep their
 /// table in memory use it; SQL backends express the same rule in the statement.
+///
+/// ```
+/// use tenure::fence::FenceTable;
+/// use tenure::ids::{FencingToken, PartitionId};
+/// let mut fences = FenceTable::default();
+/// let p = PartitionId(3);
+/// fences.admit(p, FencingToken(20)).unwrap();
+/// assert!(fences.check(p, FencingToken(19)).is_err());
+/// assert!(fences.check(p, FencingToken(21)).is_ok()); // checking alone raises nothing
+/// assert_eq!(fences.highest(p), Some(FencingToken(20)));
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct FenceTable {
     highest: HashMap<PartitionId, FencingToken>,
@@ -99,6 +129,26 @@ impl FenceTable {
 
 /// A store that checks fencing tokens. Every method that takes a token checks it and raises the
 /// partition's fence in the same atomic step as its write.
+///
+/// Code written against the trait works with every backend, such as this fence-before-resume:
+///
+/// ```
+/// # tokio_test_block_on(async {
+/// use tenure::fence::{FenceError, FenceStore, MemoryFence};
+/// use tenure::ids::{FencingToken, PartitionId};
+/// async fn resume(s: &impl FenceStore, p: PartitionId, t: FencingToken) -> Result<Vec<u8>, FenceError> {
+///     s.raise(p, t).await?;
+///     Ok(s.checkpoint(p, t).await?.unwrap_or_default())
+/// }
+/// let store = MemoryFence::default();
+/// store.save_checkpoint(PartitionId(0), FencingToken(4), b"offset=17").await.unwrap();
+/// assert_eq!(resume(&store, PartitionId(0), FencingToken(9)).await.unwrap(), b"offset=17");
+/// assert!(store.write(PartitionId(0), FencingToken(4), b"k", b"v").await.is_err());
+/// # });
+/// # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+/// # }
+/// ```
 pub trait FenceStore: Send + Sync {
     /// Raises the partition's fence to `token` without writing data (fence-before-resume).
     fn raise(

@@ -29,7 +29,22 @@ INSERT INTO tenure_fence (partition, fence_token) VALUES ($1, $2)
 ON CONFLICT (partition) DO UPDATE SET fence_token = EXCLUDED.fence_token
 WHERE tenure_fence.fence_token <= EXCLUDED.fence_token";
 
+/// A [`FenceStore`] on PostgreSQL; [`PostgresFence::transaction`] puts the application's own
+/// tables under the same fence.
+///
 /// One connection behind an async mutex: a transaction needs it exclusively.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), tenure::fence::FenceError> {
+/// use tenure::fence::{FenceStore, PostgresFence};
+/// use tenure::ids::{FencingToken, PartitionId};
+/// let store = PostgresFence::connect("host=127.0.0.1 user=postgres dbname=tenure").await?;
+/// let (p, token) = (PartitionId(0), FencingToken(12));
+/// store.raise(p, token).await?; // fence first, then read where to resume
+/// let resume_from = store.checkpoint(p, token).await?;
+/// store.write(p, token, b"order-7", b"paid").await?;
+/// # Ok(()) }
+/// ```
 pub struct PostgresFence {
     client: Mutex<Client>,
 }

@@ -13,6 +13,24 @@ use std::sync::{Arc, Mutex};
 /// Locks striped over partitions: enough to keep unrelated partitions apart, bounded in number.
 const STRIPES: usize = 64;
 
+/// A [`FenceStore`] on RocksDB. Every accepted operation is a synced write batch, and the highest
+/// token per partition is stored with the data, so a reopened store still refuses old owners.
+///
+/// ```
+/// # tokio_test_block_on(async {
+/// use tenure::fence::{FenceStore, RocksFence};
+/// use tenure::ids::{FencingToken, PartitionId};
+/// let dir = tempfile::tempdir().unwrap();
+/// let store = RocksFence::open(dir.path()).unwrap();
+/// store.raise(PartitionId(1), FencingToken(30)).await.unwrap();
+/// drop(store); // a restart
+/// let store = RocksFence::open(dir.path()).unwrap();
+/// assert!(store.write(PartitionId(1), FencingToken(29), b"k", b"v").await.is_err());
+/// # });
+/// # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(f)
+/// # }
+/// ```
 pub struct RocksFence {
     db: Arc<rocksdb::DB>,
     stripes: Vec<Mutex<()>>,

@@ -13,6 +13,13 @@ use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
 /// Why a coordinator call failed, as seen by a worker.
+///
+/// ```
+/// use tenure::worker::{Client, ClientError};
+/// assert!(matches!(Client::new(Vec::new()), Err(ClientError::BadAddress(_))));
+/// assert!(ClientError::SessionExpired("s7".into()).is_session_gone()); // join again
+/// assert!(!ClientError::Unavailable("no leader".into()).is_session_gone()); // retry later
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ClientError {
     #[error("unknown session: {0}")]
@@ -62,6 +69,16 @@ impl ClientError {
 }
 
 /// Connection to a cluster. Cheap to clone; clones share the leader hint.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), tenure::worker::ClientError> {
+/// use tenure::proto::StatusRequest;
+/// use tenure::worker::Client;
+/// let client = Client::new(vec!["10.0.0.1:7001".into(), "10.0.0.2:7001".into()])?;
+/// let status = client.call(|mut c| async move { c.status(StatusRequest {}).await }).await?;
+/// println!("leader at {}, {} partitions", status.leader_addr, status.partition_count);
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Mutex<Inner>>,

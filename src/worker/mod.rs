@@ -46,7 +46,18 @@ use tokio::sync::{mpsc, Notify};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-/// How a worker joins and how cautious it is.
+/// How a worker joins and how cautious it is. [`WorkerConfig::new`] sets weight 1 and leaves the
+/// timings to their defaults, which follow the cluster's lease TTL.
+///
+/// ```
+/// use std::time::Duration;
+/// use tenure::worker::WorkerConfig;
+/// let nodes = vec!["10.0.0.1:7001".to_string(), "10.0.0.2:7001".to_string()];
+/// let mut config = WorkerConfig::new(nodes, "billing-1");
+/// config.weight = 2; // about twice the partitions of a weight-1 worker
+/// config.safety_margin = Some(Duration::from_millis(500));
+/// assert_eq!(config.heartbeat_interval, None); // TTL / 4
+/// ```
 #[derive(Clone, Debug)]
 pub struct WorkerConfig {
     pub coordinators: Vec<String>,
@@ -71,7 +82,20 @@ impl WorkerConfig {
     }
 }
 
-/// Why a partition was lost.
+/// Why a partition was lost, as carried by [`WorkerEvent::Lost`].
+///
+/// ```
+/// use tenure::worker::LostReason;
+/// fn describe(reason: LostReason) -> &'static str {
+///     match reason {
+///         LostReason::DeadlineExpired => "no renewal was confirmed in time",
+///         LostReason::Expired => "the coordinator expired the lease",
+///         LostReason::Fenced => "storage has seen a newer owner",
+///         LostReason::SessionEnded => "the session is over",
+///     }
+/// }
+/// assert_eq!(describe(LostReason::Fenced), "storage has seen a newer owner");
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LostReason {
     /// The local lease ran out before a renewal confirmed it (coordinator unreachable, or a
@@ -88,6 +112,21 @@ pub enum LostReason {
 /// What the application is told, in order. Every [`WorkerEvent::Assigned`] is followed, sooner
 /// or later, by exactly one terminal event for the same partition and token: `Lost` or
 /// `Released`.
+///
+/// ```
+/// use tenure::ids::{FencingToken, PartitionId};
+/// use tenure::worker::WorkerEvent;
+/// fn ended(event: &WorkerEvent) -> Option<PartitionId> {
+///     match event {
+///         WorkerEvent::Lost { partition, .. } | WorkerEvent::Released { partition, .. } => {
+///             Some(*partition)
+///         }
+///         _ => None,
+///     }
+/// }
+/// let released = WorkerEvent::Released { partition: PartitionId(3), token: FencingToken(8) };
+/// assert_eq!(ended(&released), Some(PartitionId(3)));
+/// ```
 #[derive(Clone, Debug)]
 pub enum WorkerEvent {
     /// The partition is yours: act on it through the handle, under its token.
@@ -281,6 +320,19 @@ impl Shared {
 ///
 /// The documented order for a new owner is [`PartitionHandle::acquire`] first (raise the fence,
 /// then read the checkpoint), then work, writing through the handle.
+///
+/// ```no_run
+/// # async fn example(handle: tenure::worker::PartitionHandle) -> Result<(), tenure::fence::FenceError> {
+/// let store = tenure::fence::MemoryFence::default(); // stands in for the application's store
+/// let checkpoint = handle.acquire(&store).await?;
+/// let mut next = checkpoint.map_or(0, |c| u64::from_be_bytes(c.try_into().unwrap()));
+/// while handle.is_valid() {
+///     handle.write(&store, &next.to_be_bytes(), b"processed").await?;
+///     next += 1;
+///     handle.save_checkpoint(&store, &next.to_be_bytes()).await?;
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct PartitionHandle {
     partition: PartitionId,
@@ -361,6 +413,18 @@ impl PartitionHandle {
 /// A joined worker. [`Worker::leave`] hands its partitions over gracefully; dropping it does the
 /// same on a best-effort basis (when a Tokio runtime is still running); [`Worker::abandon`]
 /// stops it as a crash would.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), tenure::worker::ClientError> {
+/// use tenure::worker::{Worker, WorkerConfig};
+/// let worker = Worker::join(WorkerConfig::new(vec!["127.0.0.1:7001".into()], "indexer-3")).await?;
+/// println!("session {} with a {:?} lease", worker.session(), worker.lease_ttl());
+/// for (partition, token) in worker.owned() {
+///     println!("holding {partition} under token {token}");
+/// }
+/// worker.leave().await?; // hands every partition over before the process exits
+/// # Ok(()) }
+/// ```
 pub struct Worker {
     client: Client,
     session: SessionId,
