@@ -21,6 +21,8 @@ pub mod lease;
 #[cfg(feature = "coordinator")]
 pub mod local_cluster;
 #[cfg(feature = "coordinator")]
+pub mod nemesis;
+#[cfg(feature = "coordinator")]
 pub mod ownership;
 #[cfg(feature = "coordinator")]
 pub mod placement;

@@ -2,11 +2,12 @@
 //! own RocksDB directory. Used by `tenure demo`, the cluster tests, examples and benchmarks.
 
 use crate::ids::NodeId;
+use crate::nemesis::FaultProxy;
 use crate::proto;
 use crate::server::{self, NodeConfig, RunningNode};
 use crate::worker::{Client, ClientError};
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
@@ -15,7 +16,16 @@ use tokio::net::TcpListener;
 pub struct LocalCluster {
     nodes: BTreeMap<NodeId, Option<RunningNode>>,
     configs: BTreeMap<NodeId, NodeConfig>,
+    /// The addresses every node and worker dials: the nodes' own, or their proxies'.
     addrs: BTreeMap<NodeId, SocketAddr>,
+    /// Where each node listens; differs from `addrs` behind proxies.
+    listen: BTreeMap<NodeId, SocketAddr>,
+    proxies: BTreeMap<NodeId, FaultProxy>,
+}
+
+/// The loopback address node `id` listens and dials from when it runs behind a proxy.
+pub fn node_ip(id: NodeId) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(127, 0, 1, id as u8))
 }
 
 impl LocalCluster {
@@ -25,25 +35,74 @@ impl LocalCluster {
         dir: &Path,
         tune: impl Fn(&mut NodeConfig),
     ) -> Result<LocalCluster, server::NodeError> {
+        Self::launch(n, dir, tune, false).await
+    }
+
+    /// Starts `n` nodes, each behind a [`FaultProxy`] that every peer and worker dials; node `id`
+    /// listens on, and dials from, [`node_ip`]`(id)`, so the proxies can cut links one by one.
+    pub async fn start_behind_proxies(
+        n: u64,
+        dir: &Path,
+        tune: impl Fn(&mut NodeConfig),
+    ) -> Result<LocalCluster, server::NodeError> {
+        Self::launch(n, dir, tune, true).await
+    }
+
+    async fn launch(
+        n: u64,
+        dir: &Path,
+        tune: impl Fn(&mut NodeConfig),
+        proxied: bool,
+    ) -> Result<LocalCluster, server::NodeError> {
+        let config_err = |e: std::io::Error| server::NodeError::Config(e.to_string());
         let mut listeners = BTreeMap::new();
-        let mut addrs = BTreeMap::new();
+        let mut cluster = LocalCluster {
+            nodes: BTreeMap::new(),
+            configs: BTreeMap::new(),
+            addrs: BTreeMap::new(),
+            listen: BTreeMap::new(),
+            proxies: BTreeMap::new(),
+        };
         for id in 1..=n {
-            let listener = TcpListener::bind("127.0.0.1:0")
-                .await
-                .map_err(|e| server::NodeError::Config(e.to_string()))?;
-            addrs.insert(id, listener.local_addr().map_err(|e| server::NodeError::Config(e.to_string()))?);
+            let ip = if proxied { node_ip(id) } else { IpAddr::V4(Ipv4Addr::LOCALHOST) };
+            let listener = TcpListener::bind((ip, 0)).await.map_err(config_err)?;
+            let listen = listener.local_addr().map_err(config_err)?;
+            let advertised = if proxied {
+                let proxy =
+                    FaultProxy::start((Ipv4Addr::LOCALHOST, 0).into(), listen).await.map_err(config_err)?;
+                let addr = proxy.addr();
+                cluster.proxies.insert(id, proxy);
+                addr
+            } else {
+                listen
+            };
+            cluster.addrs.insert(id, advertised);
+            cluster.listen.insert(id, listen);
             listeners.insert(id, listener);
         }
-        let peers: BTreeMap<NodeId, String> = addrs.iter().map(|(id, a)| (*id, a.to_string())).collect();
-        let mut cluster = LocalCluster { nodes: BTreeMap::new(), configs: BTreeMap::new(), addrs };
+        let peers: BTreeMap<NodeId, String> =
+            cluster.addrs.iter().map(|(id, a)| (*id, a.to_string())).collect();
         for (id, listener) in listeners {
             let mut config = NodeConfig::new(id, peers.clone(), node_dir(dir, id));
+            if proxied {
+                config.dial_from = Some(node_ip(id));
+            }
             tune(&mut config);
             let running = server::start(config.clone(), listener).await?;
             cluster.configs.insert(id, config);
             cluster.nodes.insert(id, Some(running));
         }
         Ok(cluster)
+    }
+
+    /// The proxy in front of node `id`, when the cluster runs behind proxies.
+    pub fn proxy(&self, id: NodeId) -> Option<&FaultProxy> {
+        self.proxies.get(&id)
+    }
+
+    /// Every node's id.
+    pub fn ids(&self) -> Vec<NodeId> {
+        self.addrs.keys().copied().collect()
     }
 
     /// `host:port` of every node, for worker clients.
@@ -96,7 +155,7 @@ impl LocalCluster {
 
     /// Restarts a stopped node on the same address and data directory.
     pub async fn restart(&mut self, id: NodeId) -> Result<(), server::NodeError> {
-        let listener = bind_again(self.addrs[&id]).await?;
+        let listener = bind_again(self.listen[&id]).await?;
         let running = server::start(self.configs[&id].clone(), listener).await?;
         self.nodes.insert(id, Some(running));
         Ok(())

@@ -197,3 +197,15 @@ fn histories_survive_a_json_round_trip() {
     let back: History = serde_json::from_str(&text).expect("parse");
     assert_eq!(back, h);
 }
+
+#[test]
+fn a_belief_ends_when_the_worker_sees_the_revoke() {
+    let mut h = correct();
+    h.workers.retain(|w| w.op != WorkerOp::Released);
+    // b last sampled its lease on p1 before the revoke: valid until 2 300 ms by its clock.
+    h.workers.push(op("b", 2, 1, 9, WorkerOp::Wrote, 2_000, Some(2_300)));
+    caught(&h, "one believer at any instant");
+    // Seeing the revoke at 2 050 ms ends that belief before a acquires p1 at 2 200 ms.
+    h.workers.push(op("b", 2, 1, 9, WorkerOp::Revoked, 2_050, None));
+    assert!(check(&h).passed(), "\n{}", check(&h));
+}

@@ -217,6 +217,14 @@ fn one_believer(history: &History) -> Verdict {
         token: FencingToken,
         worker: &'a str,
     }
+    // A belief ends at the first revoke, loss or release the worker saw for the grant.
+    let mut ended: BTreeMap<(PartitionId, SessionId, FencingToken), u64> = BTreeMap::new();
+    for r in &history.workers {
+        if matches!(r.op, WorkerOp::Revoked | WorkerOp::Lost | WorkerOp::Released) {
+            let end = ended.entry((r.partition, r.session, r.token)).or_insert(r.start_ns);
+            *end = (*end).min(r.start_ns);
+        }
+    }
     let mut windows: BTreeMap<(PartitionId, SessionId, FencingToken), Window> = BTreeMap::new();
     for r in &history.workers {
         let Some(until) = r.believed_until_ns else { continue };
@@ -231,7 +239,11 @@ fn one_believer(history: &History) -> Verdict {
         w.until = w.until.max(until);
     }
     let mut by_partition: BTreeMap<PartitionId, Vec<Window>> = BTreeMap::new();
-    for ((p, _, _), w) in windows {
+    for (key, mut w) in windows {
+        if let Some(end) = ended.get(&key) {
+            w.until = w.until.min(*end);
+        }
+        let (p, _, _) = key;
         by_partition.entry(p).or_default().push(w);
     }
     for (p, mut ws) in by_partition {

@@ -72,6 +72,8 @@ pub enum WorkerOp {
     Wrote,
     /// A write the fenced store refused.
     Refused,
+    /// The coordinator asked for the partition back; the worker stopped believing it held it.
+    Revoked,
     /// The library reported the partition lost.
     Lost,
     /// The worker released it.
@@ -89,7 +91,8 @@ pub struct WorkerRecord {
     pub start_ns: u64,
     pub end_ns: u64,
     /// When the worker acted believing it held the partition: until when, by its own local
-    /// lease. `None` for a blind write (a late writer that did not look).
+    /// lease. `None` for a blind write (a late writer that did not look). A `Revoked`, `Lost`
+    /// or `Released` record ends the belief at its start, whatever was believed before.
     pub believed_until_ns: Option<u64>,
 }
 

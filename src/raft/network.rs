@@ -23,7 +23,10 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
 /// Creates one client per peer; openraft keeps them per replication stream.
 #[derive(Clone, Default)]
-pub struct Network;
+pub struct Network {
+    /// Source address of connections to peers, when the node is told to dial from one.
+    pub dial_from: Option<std::net::IpAddr>,
+}
 
 pub struct PeerClient {
     target: NodeId,
@@ -35,7 +38,9 @@ impl RaftNetworkFactory<TypeConfig> for Network {
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
         let client = Endpoint::from_shared(format!("http://{}", node.addr))
-            .map(|e| e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true))
+            .map(|e| {
+                e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).local_address(self.dial_from)
+            })
             .map(|e| {
                 RaftTransportClient::new(e.connect_lazy())
                     .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)

@@ -52,6 +52,9 @@ pub struct NodeConfig {
     pub election_timeout: Duration,
     /// Build a snapshot (and purge the log) after this many applied entries.
     pub snapshot_after_logs: u64,
+    /// Source address for connections to peers, on hosts with several addresses. `None` lets
+    /// the system choose.
+    pub dial_from: Option<std::net::IpAddr>,
 }
 
 impl NodeConfig {
@@ -67,6 +70,7 @@ impl NodeConfig {
             raft_heartbeat_interval: Duration::from_millis(100),
             election_timeout: Duration::from_millis(500),
             snapshot_after_logs: 5000,
+            dial_from: None,
         }
     }
 
@@ -228,9 +232,15 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
     let log_store = LogStore::new(db.clone());
     let sm = StateMachineStore::open(db).map_err(|e| NodeError::Storage(e.to_string()))?;
     let state = sm.shared();
-    let raft = Raft::new(config.id, Arc::new(raft_config(&config)?), Network, log_store, sm.clone())
-        .await
-        .map_err(|e| NodeError::Raft(e.to_string()))?;
+    let raft = Raft::new(
+        config.id,
+        Arc::new(raft_config(&config)?),
+        Network { dial_from: config.dial_from },
+        log_store,
+        sm.clone(),
+    )
+    .await
+    .map_err(|e| NodeError::Raft(e.to_string()))?;
 
     let first = config.peers.keys().next().copied();
     if first == Some(config.id) && !raft.is_initialized().await.map_err(|e| NodeError::Raft(e.to_string()))? {

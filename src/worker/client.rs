@@ -87,6 +87,7 @@ pub struct Client {
 
 struct Inner {
     addrs: Vec<String>,
+    dial_from: Option<std::net::IpAddr>,
     current: usize,
     channels: std::collections::HashMap<String, Channel>,
 }
@@ -101,9 +102,20 @@ impl Client {
             Endpoint::from_shared(format!("http://{a}")).map_err(|_| ClientError::BadAddress(a.clone()))?;
         }
         Ok(Client {
-            inner: Arc::new(Mutex::new(Inner { addrs, current: 0, channels: Default::default() })),
+            inner: Arc::new(Mutex::new(Inner {
+                addrs,
+                dial_from: None,
+                current: 0,
+                channels: Default::default(),
+            })),
             max_tries: 12,
         })
+    }
+
+    /// Connects from `source` (on hosts with several addresses); `None` lets the system choose.
+    pub fn dialing_from(self, source: Option<std::net::IpAddr>) -> Client {
+        self.inner.lock().expect("client lock poisoned").dial_from = source;
+        self
     }
 
     fn channel(&self) -> Result<(String, Channel), ClientError> {
@@ -116,6 +128,7 @@ impl Client {
             .map_err(|_| ClientError::BadAddress(addr.clone()))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
+            .local_address(inner.dial_from)
             .connect_lazy();
         inner.channels.insert(addr.clone(), channel.clone());
         Ok((addr, channel))

@@ -68,6 +68,8 @@ pub struct WorkerConfig {
     pub safety_margin: Option<Duration>,
     /// Time between heartbeats; default TTL / 4.
     pub heartbeat_interval: Option<Duration>,
+    /// Source address for connections to the coordinators, on hosts with several addresses.
+    pub dial_from: Option<std::net::IpAddr>,
 }
 
 impl WorkerConfig {
@@ -78,6 +80,7 @@ impl WorkerConfig {
             weight: 1,
             safety_margin: None,
             heartbeat_interval: None,
+            dial_from: None,
         }
     }
 }
@@ -480,7 +483,7 @@ async fn leave_session(client: &Client, session: SessionId, secret: String) -> R
 impl Worker {
     /// Joins the cluster and starts heartbeating and watching.
     pub async fn join(config: WorkerConfig) -> Result<Worker, ClientError> {
-        let client = Client::new(config.coordinators.clone())?;
+        let client = Client::new(config.coordinators.clone())?.dialing_from(config.dial_from);
         let request = proto::JoinRequest { name: config.name.clone(), weight: config.weight };
         let joined = client
             .call(|mut c| {

@@ -1,0 +1,560 @@
+//! The nemesis: the real system under injected faults, with a recorded history that the
+//! [checker](crate::history::check) judges afterwards.
+//!
+//! A run starts a coordinator cluster whose nodes sit behind [`FaultProxy`]s on loopback (real
+//! gRPC, real RocksDB on disk), and worker slots that each run a real [`Worker`] and write
+//! through their partition handles to a fenced store. A schedule drawn from a seed injects one
+//! fault at a time, heals it, and moves on:
+//!
+//! - `freeze-worker`: a worker stops as under SIGSTOP or a long GC pause, past its TTL: its
+//!   heartbeats stop, and when it wakes it writes once more with the tokens it had, without
+//!   looking at its lease (a write stuck in a buffer), then rejoins.
+//! - `crash-worker`: a worker dies (its memory with it) and restarts later as a new session.
+//! - `partition-worker`: a worker loses the coordinators but still reaches storage.
+//! - `minority-leader`: the leader is cut off from the other nodes; workers still reach it.
+//! - `isolate-leader`: the leader is cut off from everyone, as if its process were stopped.
+//! - `kill-leader`, `kill-follower`: a node stops abruptly and restarts on the same data.
+//! - `kill-all`: every node stops at once, then all restart.
+//!
+//! Three streams are recorded on one monotonic clock: every replica's applied decisions, every
+//! worker operation, and the store's decisions in the order it applied them. After the last
+//! fault heals, the run waits for the table to be fully owned again and reads it; then the
+//! history is checked. Everything is bounded: the fault phase by `fault_time`, each fault by a
+//! few TTLs, the recovery wait by twice the liveness bound.
+//!
+//! Nodes run in this process, so a killed node loses only what was not yet synced, which with
+//! every write synced is nothing; the process-level `tests/sigstop.rs` and `tests/processes.rs`
+//! cover real signals.
+
+mod proxy;
+mod workload;
+
+pub use proxy::FaultProxy;
+
+use crate::history::{self, Committed, Decision, Fault, FinalRow, History, Report, StoreRecord};
+use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
+use crate::local_cluster::{node_ip, LocalCluster};
+use crate::ownership::Event;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+use workload::{Slot, SlotCommand};
+
+/// One kind of fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum FaultKind {
+    FreezeWorker,
+    CrashWorker,
+    PartitionWorker,
+    MinorityLeader,
+    IsolateLeader,
+    KillLeader,
+    KillFollower,
+    KillAll,
+}
+
+impl FaultKind {
+    pub const ALL: [FaultKind; 8] = [
+        FaultKind::FreezeWorker,
+        FaultKind::CrashWorker,
+        FaultKind::PartitionWorker,
+        FaultKind::MinorityLeader,
+        FaultKind::IsolateLeader,
+        FaultKind::KillLeader,
+        FaultKind::KillFollower,
+        FaultKind::KillAll,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::FreezeWorker => "freeze-worker",
+            FaultKind::CrashWorker => "crash-worker",
+            FaultKind::PartitionWorker => "partition-worker",
+            FaultKind::MinorityLeader => "minority-leader",
+            FaultKind::IsolateLeader => "isolate-leader",
+            FaultKind::KillLeader => "kill-leader",
+            FaultKind::KillFollower => "kill-follower",
+            FaultKind::KillAll => "kill-all",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<FaultKind> {
+        FaultKind::ALL.into_iter().find(|k| k.name() == name)
+    }
+}
+
+/// What a run does.
+#[derive(Clone, Debug)]
+pub struct NemesisConfig {
+    pub seed: u64,
+    pub nodes: u64,
+    pub workers: usize,
+    pub partition_count: u32,
+    pub lease_ttl: Duration,
+    pub election_timeout: Duration,
+    /// How long faults are injected; the run then heals, waits for recovery and stops.
+    pub fault_time: Duration,
+    /// The kinds to draw from; each appears once per round, in an order drawn from the seed.
+    pub faults: Vec<FaultKind>,
+    /// `false` runs the store with its check switched off, which the checker must flag.
+    pub fencing: bool,
+    /// Pause between a worker's rounds of writes.
+    pub write_interval: Duration,
+}
+
+impl NemesisConfig {
+    /// A run of `fault_time` with every fault kind, sized for a test: 3 nodes, 3 workers,
+    /// 12 partitions, TTL 1 s.
+    pub fn new(seed: u64, fault_time: Duration) -> NemesisConfig {
+        NemesisConfig {
+            seed,
+            nodes: 3,
+            workers: 3,
+            partition_count: 12,
+            lease_ttl: Duration::from_millis(1000),
+            election_timeout: Duration::from_millis(300),
+            fault_time,
+            faults: FaultKind::ALL.to_vec(),
+            fencing: true,
+            write_interval: Duration::from_millis(20),
+        }
+    }
+
+    /// After the faults heal, every partition must be owned again within this: an election
+    /// (a few election timeouts, with retries), the new leader's fresh TTL for every lease, a
+    /// frozen or crashed owner's TTL, and a second of slack for the grant and its confirmation.
+    pub fn liveness_bound(&self) -> Duration {
+        self.lease_ttl * 2 + self.election_timeout * 4 + Duration::from_secs(1)
+    }
+}
+
+/// Why a run could not be carried out (as opposed to a violation, which is in the report).
+#[derive(Debug, thiserror::Error)]
+pub enum NemesisError {
+    #[error("cluster: {0}")]
+    Cluster(#[from] crate::server::NodeError),
+    #[error("no leader within {0:?}")]
+    NoLeader(Duration),
+    #[error("worker: {0}")]
+    Worker(String),
+}
+
+/// A finished run: the history, its verdicts and a few totals.
+pub struct Outcome {
+    pub history: History,
+    pub report: Report,
+    pub writes_accepted: usize,
+    pub writes_refused: usize,
+    pub faults: BTreeMap<&'static str, usize>,
+}
+
+/// The run's clock: nanoseconds since it began, on this process's monotonic clock.
+#[derive(Clone, Copy)]
+pub(crate) struct Clock(Instant);
+
+impl Clock {
+    pub(crate) fn now_ns(&self) -> u64 {
+        self.0.elapsed().as_nanos() as u64
+    }
+    pub(crate) fn at_ns(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.0).as_nanos() as u64
+    }
+}
+
+/// The fenced store of the run, journaling every decision in the order it made them.
+pub(crate) struct JournaledStore {
+    fencing: bool,
+    inner: Mutex<(crate::fence::FenceTable, Vec<StoreRecord>)>,
+}
+
+impl JournaledStore {
+    fn new(fencing: bool) -> JournaledStore {
+        JournaledStore { fencing, inner: Mutex::new(Default::default()) }
+    }
+
+    /// The check (or, switched off, none) and the journal entry, in one step.
+    fn decide(&self, partition: PartitionId, token: FencingToken) -> Result<(), crate::fence::FenceError> {
+        let mut inner =
+            self.inner.lock().map_err(|_| crate::fence::FenceError::Backend("poisoned".into()))?;
+        let (table, journal) = &mut *inner;
+        let result = if self.fencing { table.admit(partition, token) } else { Ok(()) };
+        let seq = journal.len() as u64;
+        journal.push(StoreRecord { seq, partition, token, accepted: result.is_ok() });
+        result
+    }
+
+    fn journal(&self) -> Vec<StoreRecord> {
+        self.inner.lock().map(|i| i.1.clone()).unwrap_or_default()
+    }
+}
+
+impl crate::fence::FenceStore for JournaledStore {
+    async fn raise(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> Result<(), crate::fence::FenceError> {
+        self.decide(partition, token)
+    }
+    async fn write(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        _key: &[u8],
+        _value: &[u8],
+    ) -> Result<(), crate::fence::FenceError> {
+        self.decide(partition, token)
+    }
+    async fn read(&self, _: PartitionId, _: &[u8]) -> Result<Option<Vec<u8>>, crate::fence::FenceError> {
+        Ok(None)
+    }
+    async fn save_checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        _checkpoint: &[u8],
+    ) -> Result<(), crate::fence::FenceError> {
+        self.decide(partition, token)
+    }
+    async fn checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> Result<Option<Vec<u8>>, crate::fence::FenceError> {
+        let inner = self.inner.lock().map_err(|_| crate::fence::FenceError::Backend("poisoned".into()))?;
+        if self.fencing {
+            inner.0.check(partition, token)?;
+        }
+        Ok(None)
+    }
+    async fn highest(
+        &self,
+        partition: PartitionId,
+    ) -> Result<Option<FencingToken>, crate::fence::FenceError> {
+        Ok(self.inner.lock().ok().and_then(|i| i.0.highest(partition)))
+    }
+}
+
+/// Follows every replica's applied decisions.
+struct CoordinatorRecorder {
+    clock: Clock,
+    records: Arc<Mutex<Vec<Committed>>>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl CoordinatorRecorder {
+    fn follow(&mut self, cluster: &LocalCluster, id: NodeId) {
+        let Some(node) = cluster.node(id) else { return };
+        let mut applied = node.node.sm.subscribe();
+        let (clock, records) = (self.clock, self.records.clone());
+        self.tasks.push(tokio::spawn(async move {
+            use tokio::sync::broadcast::error::RecvError;
+            loop {
+                let entry = match applied.recv().await {
+                    Ok(entry) => entry,
+                    Err(RecvError::Lagged(n)) => {
+                        tracing::warn!(node = id, missed = n, "history recorder lagged");
+                        continue;
+                    }
+                    Err(RecvError::Closed) => return,
+                };
+                let at_ns = clock.now_ns();
+                let mut records = records.lock().expect("recorder lock poisoned");
+                for event in &entry.events {
+                    let (partition, session, token, decision) = match event {
+                        Event::Granted { partition, session, token } => {
+                            (partition, session, token, Decision::Granted)
+                        }
+                        Event::Revoking { partition, session, token } => {
+                            (partition, session, token, Decision::Revoking)
+                        }
+                        Event::Released { partition, session, token } => {
+                            (partition, session, token, Decision::Released)
+                        }
+                        Event::Lost { partition, session, token, .. } => {
+                            (partition, session, token, Decision::Lost)
+                        }
+                        Event::SessionStarted { .. } | Event::SessionEnded { .. } => continue,
+                    };
+                    records.push(Committed {
+                        node: id,
+                        index: entry.index,
+                        at_ns,
+                        partition: *partition,
+                        session: *session,
+                        token: *token,
+                        decision,
+                    });
+                }
+            }
+        }));
+    }
+
+    fn highest_index(&self) -> u64 {
+        self.records.lock().map(|r| r.iter().map(|c| c.index).max().unwrap_or(0)).unwrap_or(0)
+    }
+}
+
+impl Drop for CoordinatorRecorder {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// Runs the nemesis with its data under `dir`; returns the history and the checker's report.
+pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisError> {
+    let clock = Clock(Instant::now());
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let mut cluster = LocalCluster::start_behind_proxies(config.nodes, dir, |c| {
+        c.partition_count = config.partition_count;
+        c.lease_ttl = config.lease_ttl;
+        c.election_timeout = config.election_timeout;
+        c.raft_heartbeat_interval = config.election_timeout / 6;
+        c.snapshot_after_logs = 200; // so restarts also go through snapshots
+    })
+    .await?;
+    let mut recorder = CoordinatorRecorder { clock, records: Default::default(), tasks: Vec::new() };
+    for id in cluster.ids() {
+        recorder.follow(&cluster, id);
+    }
+    let settle = Duration::from_secs(10);
+    cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+
+    let store = Arc::new(JournaledStore::new(config.fencing));
+    let worker_records = Arc::new(Mutex::new(Vec::new()));
+    let mut slots = Vec::new();
+    for n in 0..config.workers {
+        let slot = Slot::start(
+            format!("w{}", n + 1),
+            worker_ip(n),
+            cluster.addrs(),
+            store.clone(),
+            worker_records.clone(),
+            clock,
+            config.write_interval,
+        )
+        .await
+        .map_err(NemesisError::Worker)?;
+        slots.push(slot);
+    }
+
+    // Faults start from a settled table.
+    let settled = Instant::now();
+    while fully_owned(&cluster, &slots).await.is_none() && settled.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+
+    let mut faults = Vec::new();
+    let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
+    let mut order: Vec<FaultKind> = Vec::new();
+    let until = Instant::now() + config.fault_time;
+    while Instant::now() < until && !config.faults.is_empty() {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(300..1200))).await;
+        if order.is_empty() {
+            order = config.faults.clone();
+            order.shuffle(&mut rng);
+        }
+        let kind = order.remove(0);
+        let start_ns = clock.now_ns();
+        let what = inject(kind, config, &mut rng, &mut cluster, &mut recorder, &slots).await?;
+        faults.push(Fault { what, start_ns, healed_ns: clock.now_ns() });
+        *counts.entry(kind.name()).or_default() += 1;
+    }
+    let healed = Instant::now();
+
+    // Recovery: every partition owned by a live session, nothing being revoked, and every
+    // worker believing exactly its rows.
+    let bound = config.liveness_bound();
+    let mut recovered_after = None;
+    let mut final_table = Vec::new();
+    let mut final_index = 0;
+    while healed.elapsed() < bound * 2 {
+        if let Some((rows, index)) = fully_owned(&cluster, &slots).await {
+            recovered_after = Some(healed.elapsed());
+            final_table = rows;
+            final_index = index;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    if recovered_after.is_none() {
+        if let Ok(status) = cluster.status().await {
+            final_table = rows_of(&status);
+            final_index = status.last_applied;
+        }
+    }
+    // Let the recorders catch up with the entry the final table was read at.
+    let catch_up = Instant::now();
+    while recorder.highest_index() < final_index && catch_up.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let live_sessions: BTreeMap<String, SessionId> =
+        slots.iter().filter_map(|s| s.session().map(|id| (s.name.clone(), id))).collect();
+    for slot in &slots {
+        slot.send(SlotCommand::Stop).await;
+    }
+    for slot in slots {
+        slot.join().await;
+    }
+    let committed = recorder.records.clone();
+    drop(recorder); // stops following
+    cluster.shutdown().await;
+
+    let mut history = History::new(config.partition_count, config.lease_ttl.as_millis() as u64);
+    history.coordinator = committed
+        .lock()
+        .expect("recorder lock poisoned")
+        .iter()
+        .filter(|c| c.index <= final_index)
+        .cloned()
+        .collect();
+    history.workers = std::mem::take(&mut *worker_records.lock().expect("worker records poisoned"));
+    history.store = store.journal();
+    history.faults = faults;
+    history.final_table = final_table;
+    history.live_sessions = live_sessions;
+    history.recovered_after_ms = recovered_after.map(|d| d.as_millis() as u64);
+    history.liveness_bound_ms = bound.as_millis() as u64;
+    let report = history::check(&history);
+    let writes_accepted = history.store.iter().filter(|r| r.accepted).count();
+    let writes_refused = history.store.len() - writes_accepted;
+    Ok(Outcome { history, report, writes_accepted, writes_refused, faults: counts })
+}
+
+/// The loopback address worker slot `n` dials from.
+fn worker_ip(n: usize) -> IpAddr {
+    IpAddr::V4(std::net::Ipv4Addr::new(127, 0, 2, (n + 1) as u8))
+}
+
+fn rows_of(status: &crate::proto::StatusResponse) -> Vec<FinalRow> {
+    status
+        .partitions
+        .iter()
+        .map(|r| FinalRow {
+            partition: PartitionId(r.partition),
+            owner: (r.owner != 0).then_some(SessionId(r.owner)),
+            token: FencingToken(r.token),
+        })
+        .collect()
+}
+
+/// The table and the index it was read at, if it is fully owned by the slots' live sessions,
+/// with nothing being revoked, and each slot believes exactly its rows.
+async fn fully_owned(cluster: &LocalCluster, slots: &[Slot]) -> Option<(Vec<FinalRow>, u64)> {
+    let status = cluster.status().await.ok()?;
+    if status.leader_id == 0 || status.partitions.iter().any(|r| r.revoking || r.owner == 0) {
+        return None;
+    }
+    for slot in slots {
+        let session = slot.session()?;
+        let rows: BTreeMap<PartitionId, FencingToken> = status
+            .partitions
+            .iter()
+            .filter(|r| r.owner == session.0)
+            .map(|r| (PartitionId(r.partition), FencingToken(r.token)))
+            .collect();
+        if slot.believed() != rows {
+            return None;
+        }
+    }
+    let live: Vec<u64> = slots.iter().filter_map(|s| s.session().map(|id| id.0)).collect();
+    if status.partitions.iter().any(|r| !live.contains(&r.owner)) {
+        return None;
+    }
+    Some((rows_of(&status), status.last_applied))
+}
+
+/// Injects one fault, waits, heals it; returns a description.
+async fn inject(
+    kind: FaultKind,
+    config: &NemesisConfig,
+    rng: &mut StdRng,
+    cluster: &mut LocalCluster,
+    recorder: &mut CoordinatorRecorder,
+    slots: &[Slot],
+) -> Result<String, NemesisError> {
+    let ttl = config.lease_ttl;
+    let jitter = |rng: &mut StdRng, from: Duration, to: Duration| {
+        from + (to.saturating_sub(from)).mul_f64(rng.random_range(0.0..1.0))
+    };
+    let settle = Duration::from_secs(10);
+    match kind {
+        FaultKind::FreezeWorker | FaultKind::CrashWorker => {
+            let slot = &slots[rng.random_range(0..slots.len())];
+            let (pause, command) = if kind == FaultKind::FreezeWorker {
+                let pause = jitter(rng, ttl * 2, ttl * 3);
+                (pause, SlotCommand::Freeze(pause))
+            } else {
+                let down = jitter(rng, ttl / 2, ttl * 2);
+                (down, SlotCommand::Crash(down))
+            };
+            slot.send(command).await;
+            Ok(format!("{} {} for {} ms", kind.name(), slot.name, pause.as_millis()))
+        }
+        FaultKind::PartitionWorker => {
+            let n = rng.random_range(0..slots.len());
+            let cut = jitter(rng, ttl * 3 / 2, ttl * 3);
+            for id in cluster.ids() {
+                cluster.proxy(id).expect("proxied").block(&[worker_ip(n)]);
+            }
+            tokio::time::sleep(cut).await;
+            heal_all(cluster);
+            Ok(format!("{} {} for {} ms", kind.name(), slots[n].name, cut.as_millis()))
+        }
+        FaultKind::MinorityLeader | FaultKind::IsolateLeader => {
+            let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+            let others: Vec<IpAddr> =
+                cluster.ids().into_iter().filter(|id| *id != leader).map(node_ip).collect();
+            let mut cut_from_leader = others.clone();
+            if kind == FaultKind::IsolateLeader {
+                cut_from_leader.extend((0..slots.len()).map(worker_ip));
+            }
+            cluster.proxy(leader).expect("proxied").block(&cut_from_leader);
+            for id in cluster.ids().into_iter().filter(|id| *id != leader) {
+                cluster.proxy(id).expect("proxied").block(&[node_ip(leader)]);
+            }
+            let cut = jitter(rng, config.election_timeout * 4, ttl * 2);
+            tokio::time::sleep(cut).await;
+            heal_all(cluster);
+            Ok(format!("{} node {leader} for {} ms", kind.name(), cut.as_millis()))
+        }
+        FaultKind::KillLeader | FaultKind::KillFollower | FaultKind::KillAll => {
+            let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+            let victims: Vec<NodeId> = match kind {
+                FaultKind::KillLeader => vec![leader],
+                FaultKind::KillFollower => {
+                    let followers: Vec<NodeId> =
+                        cluster.ids().into_iter().filter(|id| *id != leader).collect();
+                    vec![followers[rng.random_range(0..followers.len())]]
+                }
+                _ => cluster.ids(),
+            };
+            for id in &victims {
+                cluster.stop(*id).await;
+            }
+            let down = jitter(rng, Duration::from_millis(200), ttl * 3 / 2);
+            tokio::time::sleep(down).await;
+            for id in &victims {
+                cluster.restart(*id).await?;
+                recorder.follow(cluster, *id);
+            }
+            Ok(format!("{} {:?} down for {} ms", kind.name(), victims, down.as_millis()))
+        }
+    }
+}
+
+fn heal_all(cluster: &LocalCluster) {
+    for id in cluster.ids() {
+        if let Some(proxy) = cluster.proxy(id) {
+            proxy.heal();
+        }
+    }
+}
