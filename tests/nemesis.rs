@@ -18,7 +18,16 @@ async fn a_short_run_under_every_kind_of_fault_keeps_every_invariant() {
     let dir = tempfile::tempdir().unwrap();
     let config = NemesisConfig::new(seed(), Duration::from_secs(30));
     let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
-    println!("seed {}: faults {:?}", config.seed, outcome.faults);
+    let h = &outcome.history;
+    println!(
+        "seed {}: faults {:?}; store accepted {}, refused {}; {} worker operations; recovered after {:?} ms",
+        config.seed,
+        outcome.faults,
+        outcome.writes_accepted,
+        outcome.writes_refused,
+        h.workers.len(),
+        h.recovered_after_ms
+    );
     for f in &outcome.history.faults {
         println!("  {:>8.2}s {}", f.start_ns as f64 / 1e9, f.what);
     }

@@ -29,6 +29,8 @@ enum Command {
     Demo(DemoArgs),
     /// Inspect a running cluster.
     Ctl(CtlArgs),
+    /// Run the real cluster and workers under seeded faults, record the history and check it.
+    Nemesis(NemesisArgs),
     /// Run a worker that writes a counter per owned partition into a PostgreSQL-fenced store,
     /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
     #[cfg(feature = "fence-postgres")]
@@ -91,6 +93,41 @@ struct DemoArgs {
 }
 
 #[derive(Args)]
+struct NemesisArgs {
+    /// Seed of the fault schedule; the same seed draws the same faults in the same order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// How many runs, with seeds seed, seed+1, ...
+    #[arg(long, default_value_t = 1)]
+    runs: u64,
+    /// Seconds of faults per run.
+    #[arg(long, default_value_t = 60)]
+    fault_secs: u64,
+    /// Coordinator nodes (3 or 5).
+    #[arg(long, default_value_t = 3)]
+    nodes: u64,
+    /// Worker slots.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Partitions.
+    #[arg(long, default_value_t = 12)]
+    partitions: u32,
+    /// Lease TTL in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    lease_ttl_ms: u64,
+    /// Fault kinds to draw from, comma separated (default: all): freeze-worker, crash-worker,
+    /// partition-worker, minority-leader, isolate-leader, kill-leader, kill-follower, kill-all.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<String>,
+    /// Switch the store's fencing check off (the checker must then report violations).
+    #[arg(long)]
+    no_fencing: bool,
+    /// Write each run's history as JSON into this directory.
+    #[arg(long)]
+    history_dir: Option<PathBuf>,
+}
+
+#[derive(Args)]
 struct CtlArgs {
     /// Coordinator addresses (host:port), comma separated.
     #[arg(long, env = "TENURE_COORDINATORS", value_delimiter = ',', required = true)]
@@ -137,6 +174,7 @@ async fn main() -> Result<()> {
             .await
         }
         Command::Ctl(args) => ctl(args).await,
+        Command::Nemesis(args) => nemesis(args).await,
         #[cfg(feature = "fence-postgres")]
         Command::Work(args) => work(args).await,
     }
@@ -236,6 +274,57 @@ async fn ctl(args: CtlArgs) -> Result<()> {
                 client.call(|mut c| async move { c.status(tenure::proto::StatusRequest {}).await }).await?;
             print!("{}", tenure::demo::render_status(&status));
         }
+    }
+    Ok(())
+}
+
+async fn nemesis(args: NemesisArgs) -> Result<()> {
+    use tenure::nemesis::{FaultKind, NemesisConfig};
+    let mut faults = Vec::new();
+    for name in &args.faults {
+        faults.push(FaultKind::parse(name).with_context(|| format!("unknown fault kind {name:?}"))?);
+    }
+    let (mut operations, mut injected, mut violations) = (0, 0, 0);
+    for seed in args.seed..args.seed + args.runs {
+        let mut config = NemesisConfig::new(seed, Duration::from_secs(args.fault_secs));
+        config.nodes = args.nodes;
+        config.workers = args.workers;
+        config.partition_count = args.partitions;
+        config.lease_ttl = Duration::from_millis(args.lease_ttl_ms);
+        config.fencing = !args.no_fencing;
+        if !faults.is_empty() {
+            config.faults = faults.clone();
+        }
+        let dir = tempfile::tempdir()?;
+        let outcome = tenure::nemesis::run(&config, dir.path()).await?;
+        let h = &outcome.history;
+        println!(
+            "seed {seed}: {} faults {:?}; {} store decisions ({} accepted, {} refused), {} worker operations, \
+             {} committed decisions; recovered {} ms after the last heal (bound {} ms)",
+            h.faults.len(),
+            outcome.faults,
+            h.store.len(),
+            outcome.writes_accepted,
+            outcome.writes_refused,
+            h.workers.len(),
+            h.coordinator.len(),
+            h.recovered_after_ms.map_or("never".into(), |ms| ms.to_string()),
+            h.liveness_bound_ms,
+        );
+        print!("{}", outcome.report);
+        if let Some(out) = &args.history_dir {
+            std::fs::create_dir_all(out)?;
+            let path = out.join(format!("history-{seed}.json"));
+            std::fs::write(&path, serde_json::to_vec(h)?)?;
+            println!("  history written to {}", path.display());
+        }
+        operations += h.store.len() + h.workers.len();
+        injected += h.faults.len();
+        violations += outcome.report.violation_count();
+    }
+    println!("{} runs: {operations} operations, {injected} faults, {violations} violations", args.runs);
+    if violations > 0 {
+        bail!("{violations} violations");
     }
     Ok(())
 }
