@@ -454,7 +454,9 @@ async fn fully_owned(cluster: &LocalCluster, slots: &[Slot]) -> Option<(Vec<Fina
         return None;
     }
     for slot in slots {
-        let session = slot.session()?;
+        // A slot may not have heard yet that its session expired (say, across a partition):
+        // it counts as recovered only once its session is one the table knows.
+        let session = slot.session().filter(|s| status.sessions.iter().any(|r| r.id == s.0 && !r.leaving))?;
         let rows: BTreeMap<PartitionId, FencingToken> = status
             .partitions
             .iter()

@@ -1,0 +1,460 @@
+//! What users of a coordinator care about, measured on a 3-node cluster in this process (real
+//! gRPC on loopback, RocksDB on disk, every write synced): the cost of one Raft commit, planned
+//! move latency, join and leave rebalances, crash failover, leader loss and heartbeat
+//! throughput. Every latency is also printed as a multiple of the commit, measured in the same
+//! run, so the ratios hold on a noisy machine.
+//!
+//! `cargo bench` runs everything; `cargo bench -- --quick` (or `TENURE_BENCH_QUICK=1`) runs the
+//! small sizes only, in a couple of minutes. The table is printed and written to
+//! `<target dir>/tenure-bench/results.md`.
+
+use anyhow::{bail, Context, Result};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tenure::fence::MemoryFence;
+use tenure::ids::{FencingToken, PartitionId};
+use tenure::local_cluster::LocalCluster;
+use tenure::ownership::Command;
+use tenure::proto;
+use tenure::worker::{Client, Worker, WorkerConfig, WorkerEvent};
+
+/// Latencies, sorted.
+struct Sample(Vec<Duration>);
+
+impl Sample {
+    fn new(mut v: Vec<Duration>) -> Sample {
+        v.sort();
+        Sample(v)
+    }
+    fn pct(&self, p: f64) -> Duration {
+        if self.0.is_empty() {
+            return Duration::ZERO;
+        }
+        let i = ((self.0.len() as f64 - 1.0) * p).round() as usize;
+        self.0[i]
+    }
+    fn max(&self) -> Duration {
+        self.0.last().copied().unwrap_or_default()
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// The printed table: every row a figure and, for latencies, its multiple of the commit.
+struct Table {
+    floor: Duration,
+    rows: Vec<(String, String, String)>,
+}
+
+impl Table {
+    fn latency(&mut self, what: impl Into<String>, d: Duration) {
+        let multiple = format!("{:.1}x", d.as_secs_f64() / self.floor.as_secs_f64());
+        self.rows.push((what.into(), format!("{:.1} ms", ms(d)), multiple));
+    }
+    fn figure(&mut self, what: impl Into<String>, value: impl Into<String>) {
+        self.rows.push((what.into(), value.into(), String::new()));
+    }
+    fn render(&self) -> String {
+        let w = self.rows.iter().map(|r| r.0.len()).max().unwrap_or(10);
+        let mut out = String::new();
+        let _ = writeln!(out, "| {:<w$} | {:>14} | {:>9} |", "measure", "value", "commits");
+        let _ = writeln!(out, "|{}|{}|{}|", "-".repeat(w + 2), "-".repeat(16), "-".repeat(11));
+        for (what, value, multiple) in &self.rows {
+            let _ = writeln!(out, "| {what:<w$} | {value:>14} | {multiple:>9} |");
+        }
+        out
+    }
+}
+
+/// When each (partition, token) was told to its new owner and first written by it.
+#[derive(Default)]
+struct Observed {
+    told: HashMap<(PartitionId, FencingToken), (String, Instant)>,
+    wrote: HashMap<(PartitionId, FencingToken), Instant>,
+}
+
+/// Workers that release at once when asked and write once to the fenced store when assigned.
+struct Fleet {
+    addrs: Vec<String>,
+    workers: BTreeMap<String, Arc<Worker>>,
+    observed: Arc<Mutex<Observed>>,
+    store: Arc<MemoryFence>,
+}
+
+impl Fleet {
+    fn new(cluster: &LocalCluster) -> Fleet {
+        Fleet {
+            addrs: cluster.addrs(),
+            workers: BTreeMap::new(),
+            observed: Default::default(),
+            store: Default::default(),
+        }
+    }
+
+    async fn join(&mut self, name: &str) -> Result<()> {
+        let mut worker = Worker::join(WorkerConfig::new(self.addrs.clone(), name)).await?;
+        let mut events = worker.events();
+        let worker = Arc::new(worker);
+        let (observed, store, me, who) =
+            (self.observed.clone(), self.store.clone(), worker.clone(), name.to_string());
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                let mut revoked = Vec::new();
+                let mut next = Some(event);
+                while let Some(event) = next.take() {
+                    match event {
+                        WorkerEvent::Assigned(h) => {
+                            let told = Instant::now();
+                            observed
+                                .lock()
+                                .unwrap()
+                                .told
+                                .insert((h.partition(), h.token()), (who.clone(), told));
+                            if h.acquire(&*store).await.is_ok() && h.write(&*store, b"k", b"v").await.is_ok()
+                            {
+                                observed
+                                    .lock()
+                                    .unwrap()
+                                    .wrote
+                                    .insert((h.partition(), h.token()), Instant::now());
+                            }
+                        }
+                        WorkerEvent::Revoking { partition, .. } => revoked.push(partition),
+                        _ => {}
+                    }
+                    next = events.try_recv().ok();
+                }
+                if !revoked.is_empty() {
+                    let _ = me.release(&revoked).await; // one call for the whole batch
+                }
+            }
+        });
+        self.workers.insert(name.to_string(), worker);
+        Ok(())
+    }
+
+    fn owned(&self) -> usize {
+        self.workers.values().map(|w| w.owned().len()).sum()
+    }
+
+    /// Waits until the table is fully owned, nothing is being revoked, and every worker
+    /// believes exactly its rows.
+    async fn settle(&self, cluster: &LocalCluster, partitions: u32) -> Result<()> {
+        let until = Instant::now() + Duration::from_secs(120);
+        loop {
+            if self.owned() == partitions as usize {
+                if let Ok(status) = cluster.status().await {
+                    if status.partitions.iter().all(|r| r.owner != 0 && !r.revoking) {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() > until {
+                bail!("the table did not settle: {} of {partitions} partitions believed", self.owned());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Told and first-write instants of the grants made after `since`, excluding `except`.
+    fn moves_since(&self, since: Instant) -> Vec<(String, Instant, Option<Instant>)> {
+        let observed = self.observed.lock().unwrap();
+        observed
+            .told
+            .iter()
+            .filter(|(_, (_, t))| *t >= since)
+            .map(|(key, (who, t))| (who.clone(), *t, observed.wrote.get(key).copied()))
+            .collect()
+    }
+}
+
+async fn cluster(dir: &std::path::Path, partitions: u32, ttl: Duration) -> Result<LocalCluster> {
+    let cluster = LocalCluster::start(3, dir, |c| {
+        c.partition_count = partitions;
+        c.lease_ttl = ttl;
+        c.election_timeout = Duration::from_millis(300);
+        c.raft_heartbeat_interval = Duration::from_millis(50);
+        c.expiry_check_interval = Duration::from_millis(20);
+    })
+    .await?;
+    cluster.wait_for_leader(Duration::from_secs(10)).await.context("no leader")?;
+    Ok(cluster)
+}
+
+/// One Raft commit and apply, through the leader: an `Expire` of nobody changes nothing.
+async fn commit_floor(cluster: &LocalCluster, n: usize) -> Result<Sample> {
+    let leader = cluster.leader().context("no leader")?;
+    let raft = cluster.node(leader).context("leader stopped")?.raft().clone();
+    let mut v = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        raft.client_write(Command::Expire { sessions: Vec::new() }).await?;
+        v.push(t.elapsed());
+    }
+    Ok(Sample::new(v))
+}
+
+/// 4 -> 5 and 5 -> 4 workers at `partitions`.
+async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
+    let mut fleet = Fleet::new(&cluster);
+    for n in 1..=4 {
+        fleet.join(&format!("w{n}")).await?;
+    }
+    fleet.settle(&cluster, partitions).await?;
+
+    // Join: the decision is the Join entry (it marks the moves); then each old owner releases.
+    let start = Instant::now();
+    fleet.join("w5").await?;
+    let decided = Instant::now();
+    fleet.settle(&cluster, partitions).await?;
+    let moves: Vec<_> = fleet.moves_since(start).into_iter().filter(|(who, _, _)| who == "w5").collect();
+    let told = Sample::new(moves.iter().map(|(_, t, _)| t.saturating_duration_since(decided)).collect());
+    let wrote = Sample::new(
+        moves.iter().filter_map(|(_, _, w)| w.map(|w| w.saturating_duration_since(decided))).collect(),
+    );
+    let minimum = partitions / 5;
+    table.figure(
+        format!("P={partitions} join 4->5: partitions moved (minimum for balance)"),
+        format!("{} ({minimum})", moves.len()),
+    );
+    table.latency(
+        format!("P={partitions} join 4->5: move, decision -> new owner confirmed p50"),
+        told.pct(0.5),
+    );
+    table.latency(
+        format!("P={partitions} join 4->5: move, decision -> new owner confirmed p99"),
+        told.pct(0.99),
+    );
+    table.latency(
+        format!("P={partitions} join 4->5: move, decision -> first accepted write p99"),
+        wrote.pct(0.99),
+    );
+    table.latency(format!("P={partitions} join 4->5: every moved partition owned and confirmed"), told.max());
+
+    // Leave: w5 hands everything back.
+    let leaving = fleet.workers["w5"].owned().len();
+    let start = Instant::now();
+    fleet.workers["w5"].leave().await?;
+    fleet.workers.remove("w5");
+    fleet.settle(&cluster, partitions).await?;
+    let moves = fleet.moves_since(start);
+    let told = Sample::new(moves.iter().map(|(_, t, _)| t.saturating_duration_since(start)).collect());
+    table.figure(
+        format!("P={partitions} leave 5->4: partitions moved (minimum)"),
+        format!("{} ({leaving})", moves.len()),
+    );
+    table.latency(
+        format!("P={partitions} leave 5->4: move, leave call -> new owner confirmed p99"),
+        told.pct(0.99),
+    );
+    table
+        .latency(format!("P={partitions} leave 5->4: every moved partition owned and confirmed"), told.max());
+    for w in fleet.workers.values() {
+        let _ = w.leave().await;
+    }
+    cluster.shutdown().await;
+    Ok(())
+}
+
+/// A worker stops heartbeating: time until its partitions are owned again.
+async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<()> {
+    let partitions = 256;
+    let dir = tempfile::tempdir()?;
+    let cluster = cluster(dir.path(), partitions, ttl).await?;
+    let mut fleet = Fleet::new(&cluster);
+    for n in 1..=4 {
+        fleet.join(&format!("w{n}")).await?;
+    }
+    fleet.settle(&cluster, partitions).await?;
+    let victim = fleet.workers.remove("w4").context("w4")?;
+    let lost = victim.owned().len();
+    let start = Instant::now();
+    Arc::into_inner(victim).context("the fleet holds the only handle")?.abandon();
+    fleet.settle(&cluster, partitions).await?;
+    let moves = fleet.moves_since(start);
+    let told = Sample::new(moves.iter().map(|(_, t, _)| t.saturating_duration_since(start)).collect());
+    let wrote = Sample::new(
+        moves.iter().filter_map(|(_, _, w)| w.map(|w| w.saturating_duration_since(start))).collect(),
+    );
+    let label = format!("crash at TTL {} ms ({lost} partitions)", ttl.as_millis());
+    table.latency(format!("{label}: owned again p50"), told.pct(0.5));
+    table.latency(format!("{label}: owned again p99"), told.pct(0.99));
+    table.latency(format!("{label}: first accepted write, last partition"), wrote.max());
+    for w in fleet.workers.values() {
+        let _ = w.leave().await;
+    }
+    cluster.shutdown().await;
+    Ok(())
+}
+
+/// The leader stops: time until a new leader, a renewal and a grant are served again.
+async fn leader_loss(table: &mut Table) -> Result<()> {
+    let partitions = 256;
+    let dir = tempfile::tempdir()?;
+    let mut cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
+    let client = Client::new(cluster.addrs())?;
+    let joined = client
+        .call(|mut c| async move { c.join(proto::JoinRequest { name: "probe".into(), weight: 1 }).await })
+        .await?;
+    let beat = proto::HeartbeatRequest { session_id: joined.session_id, secret: joined.secret.clone() };
+    let leader = cluster.leader().context("no leader")?;
+    let start = Instant::now();
+    cluster.stop(leader).await;
+    let stopped = start.elapsed();
+    let elected = loop {
+        if cluster.leader().is_some() {
+            break start.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let renewed = loop {
+        let beat = beat.clone();
+        if client
+            .call(|mut c| {
+                let beat = beat.clone();
+                async move { c.heartbeat(beat).await }
+            })
+            .await
+            .is_ok()
+        {
+            break start.elapsed();
+        }
+    };
+    let fresh = Worker::join(WorkerConfig::new(cluster.addrs(), "after")).await?;
+    let granted = start.elapsed();
+    table.latency("leader stop: stopping it (graceful shutdown of the node)", stopped);
+    table.latency("leader stop: new leader elected", elected);
+    table.latency("leader stop: first renewal acknowledged", renewed);
+    table.latency("leader stop: first join committed", granted);
+    fresh.abandon();
+    cluster.shutdown().await;
+    Ok(())
+}
+
+/// This process's CPU time so far (user + system), from /proc.
+fn cpu_time() -> Option<Duration> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    Some(Duration::from_millis(ticks * 10)) // USER_HZ is 100 on Linux
+}
+
+/// Many sessions heartbeating from this process: renewals per second the leader acknowledges.
+async fn heartbeat_throughput(table: &mut Table, sessions: usize, window: Duration) -> Result<()> {
+    let partitions = 1024;
+    let dir = tempfile::tempdir()?;
+    let cluster = cluster(dir.path(), partitions, Duration::from_secs(60)).await?;
+    let client = Client::new(cluster.addrs())?;
+    let mut joined = Vec::with_capacity(sessions);
+    let join_start = Instant::now();
+    for n in 0..sessions {
+        let name = format!("s{n}");
+        let r = client
+            .call(|mut c| {
+                let name = name.clone();
+                async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
+            })
+            .await?;
+        joined.push(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret });
+    }
+    let join_time = join_start.elapsed();
+    let joined = Arc::new(joined);
+    let concurrency = 64;
+    let cpu_before = cpu_time();
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for k in 0..concurrency {
+        let (client, joined) = (client.clone(), joined.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut acked = 0u64;
+            let mut i = k;
+            while start.elapsed() < window {
+                let beat = joined[i % joined.len()].clone();
+                if client
+                    .call(|mut c| {
+                        let beat = beat.clone();
+                        async move { c.heartbeat(beat).await }
+                    })
+                    .await
+                    .is_ok()
+                {
+                    acked += 1;
+                }
+                i += concurrency;
+            }
+            acked
+        }));
+    }
+    let mut acked = 0;
+    for t in tasks {
+        acked += t.await?;
+    }
+    let elapsed = start.elapsed();
+    let cpu = cpu_before.zip(cpu_time()).map(|(a, b)| b.saturating_sub(a));
+    table.figure(
+        format!("{sessions} sessions joined (P={partitions})"),
+        format!("{:.1} s", join_time.as_secs_f64()),
+    );
+    table.figure(
+        format!("{sessions} sessions: heartbeats acknowledged per second ({concurrency} in flight)"),
+        format!("{:.0}", acked as f64 / elapsed.as_secs_f64()),
+    );
+    if let Some(cpu) = cpu {
+        table.figure(
+            "CPU per acknowledged heartbeat (cluster and clients, one process)",
+            format!("{:.0} us", cpu.as_secs_f64() * 1e6 / acked.max(1) as f64),
+        );
+    }
+    cluster.shutdown().await;
+    Ok(())
+}
+
+async fn run(quick: bool) -> Result<String> {
+    let dir = tempfile::tempdir()?;
+    let base = cluster(dir.path(), 1024, Duration::from_secs(5)).await?;
+    let floor = commit_floor(&base, if quick { 200 } else { 1000 }).await?;
+    base.shutdown().await;
+    let mut table = Table { floor: floor.pct(0.5), rows: Vec::new() };
+    table.latency("one Raft commit (no-op write) p50", floor.pct(0.5));
+    table.latency("one Raft commit (no-op write) p99", floor.pct(0.99));
+    eprintln!("commit floor measured");
+    join_and_leave(&mut table, 1024).await?;
+    eprintln!("P=1024 join/leave measured");
+    if !quick {
+        join_and_leave(&mut table, 65536).await?;
+        eprintln!("P=65536 join/leave measured");
+    }
+    crash_failover(&mut table, Duration::from_secs(1)).await?;
+    if !quick {
+        crash_failover(&mut table, Duration::from_secs(5)).await?;
+    }
+    eprintln!("crash failover measured");
+    leader_loss(&mut table).await?;
+    eprintln!("leader loss measured");
+    heartbeat_throughput(&mut table, if quick { 200 } else { 2000 }, Duration::from_secs(5)).await?;
+    Ok(table.render())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if !args.iter().any(|a| a == "--bench") {
+        println!("benchmarks run with `cargo bench` (quick: `cargo bench -- --quick`)");
+        return Ok(());
+    }
+    let quick = args.iter().any(|a| a == "--quick") || std::env::var_os("TENURE_BENCH_QUICK").is_some();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let table = runtime.block_on(run(quick))?;
+    println!("\n{table}");
+    let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+    let out = std::path::Path::new(&target).join("tenure-bench");
+    std::fs::create_dir_all(&out)?;
+    std::fs::write(out.join("results.md"), &table)?;
+    println!("written to {}", out.join("results.md").display());
+    Ok(())
+}
