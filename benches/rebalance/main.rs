@@ -8,6 +8,8 @@
 //! small sizes only, in a couple of minutes. The table is printed and written to
 //! `<target dir>/tenure-bench/results.md`.
 
+mod etcd;
+
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
@@ -100,7 +102,7 @@ impl Fleet {
         let mut events = worker.events();
         let worker = Arc::new(worker);
         let (observed, store, me, who) =
-            (self.observed.clone(), self.store.clone(), worker.clone(), name.to_string());
+            (self.observed.clone(), self.store.clone(), Arc::downgrade(&worker), name.to_string());
         tokio::spawn(async move {
             while let Some(event) = events.recv().await {
                 let mut revoked = Vec::new();
@@ -128,7 +130,7 @@ impl Fleet {
                     }
                     next = events.try_recv().ok();
                 }
-                if !revoked.is_empty() {
+                if let (false, Some(me)) = (revoked.is_empty(), me.upgrade()) {
                     let _ = me.release(&revoked).await; // one call for the whole batch
                 }
             }
@@ -141,23 +143,44 @@ impl Fleet {
         self.workers.values().map(|w| w.owned().len()).sum()
     }
 
-    /// Waits until the table is fully owned, nothing is being revoked, and every worker
-    /// believes exactly its rows.
+    /// Waits until the leader's table is fully owned, nothing is being revoked, owned counts are
+    /// balanced within one, and every worker believes exactly its rows.
     async fn settle(&self, cluster: &LocalCluster, partitions: u32) -> Result<()> {
-        let until = Instant::now() + Duration::from_secs(120);
+        let until = Instant::now() + Duration::from_secs(300);
         loop {
-            if self.owned() == partitions as usize {
-                if let Ok(status) = cluster.status().await {
-                    if status.partitions.iter().all(|r| r.owner != 0 && !r.revoking) {
-                        return Ok(());
-                    }
-                }
+            if self.settled(cluster, partitions).await {
+                return Ok(());
             }
             if Instant::now() > until {
                 bail!("the table did not settle: {} of {partitions} partitions believed", self.owned());
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    async fn settled(&self, cluster: &LocalCluster, partitions: u32) -> bool {
+        let Ok(status) = cluster.status().await else { return false };
+        if status.leader_id != status.node_id
+            || status.partitions.len() != partitions as usize
+            || status.partitions.iter().any(|r| r.owner == 0 || r.revoking)
+        {
+            return false;
+        }
+        let mut counts = Vec::new();
+        for w in self.workers.values() {
+            let rows: BTreeMap<PartitionId, FencingToken> = status
+                .partitions
+                .iter()
+                .filter(|r| r.owner == w.session().0)
+                .map(|r| (PartitionId(r.partition), FencingToken(r.token)))
+                .collect();
+            if w.owned() != rows {
+                return false;
+            }
+            counts.push(rows.len());
+        }
+        let (min, max) = (counts.iter().min(), counts.iter().max());
+        counts.iter().sum::<usize>() == partitions as usize && min.zip(max).is_some_and(|(a, b)| b - a <= 1)
     }
 
     /// Told and first-write instants of the grants made after `since`, excluding `except`.
@@ -199,7 +222,8 @@ async fn commit_floor(cluster: &LocalCluster, n: usize) -> Result<Sample> {
 }
 
 /// 4 -> 5 and 5 -> 4 workers at `partitions`.
-async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<()> {
+/// Returns how long the join and the leave took until every moved partition was owned.
+async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Duration, Duration)> {
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
     let mut fleet = Fleet::new(&cluster);
@@ -236,6 +260,7 @@ async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<()> {
         wrote.pct(0.99),
     );
     table.latency(format!("P={partitions} join 4->5: every moved partition owned and confirmed"), told.max());
+    let join_all = told.max();
 
     // Leave: w5 hands everything back.
     let leaving = fleet.workers["w5"].owned().len();
@@ -255,15 +280,16 @@ async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<()> {
     );
     table
         .latency(format!("P={partitions} leave 5->4: every moved partition owned and confirmed"), told.max());
+    let leave_all = told.max();
     for w in fleet.workers.values() {
         let _ = w.leave().await;
     }
     cluster.shutdown().await;
-    Ok(())
+    Ok((join_all, leave_all))
 }
 
-/// A worker stops heartbeating: time until its partitions are owned again.
-async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<()> {
+/// A worker stops heartbeating: time until its partitions are owned again (returned: the last).
+async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Duration> {
     let partitions = 256;
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, ttl).await?;
@@ -290,7 +316,7 @@ async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<()> {
         let _ = w.leave().await;
     }
     cluster.shutdown().await;
-    Ok(())
+    Ok(told.max())
 }
 
 /// The leader stops: time until a new leader, a renewal and a grant are served again.
@@ -364,6 +390,22 @@ async fn heartbeat_throughput(table: &mut Table, sessions: usize, window: Durati
         joined.push(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret });
     }
     let join_time = join_start.elapsed();
+    // One at a time first: the latency of a renewal (a quorum round and the table lookup).
+    let mut single = Vec::new();
+    for beat in joined.iter().cycle().take(200) {
+        let t = Instant::now();
+        let beat = beat.clone();
+        client
+            .call(|mut c| {
+                let beat = beat.clone();
+                async move { c.heartbeat(beat).await }
+            })
+            .await?;
+        single.push(t.elapsed());
+    }
+    let single = Sample::new(single);
+    table.latency("heartbeat round trip, one at a time, p50", single.pct(0.5));
+    table.latency("heartbeat round trip, one at a time, p99", single.pct(0.99));
     let joined = Arc::new(joined);
     let concurrency = 64;
     let cpu_before = cpu_time();
@@ -415,6 +457,98 @@ async fn heartbeat_throughput(table: &mut Table, sessions: usize, window: Durati
     Ok(())
 }
 
+/// The etcd design on the same workload: join 4 -> 5 and leave 5 -> 4 at `partitions`.
+async fn etcd_join_and_leave(
+    table: &mut Table,
+    etcd: &etcd::EtcdCluster,
+    partitions: u32,
+) -> Result<(Duration, Duration)> {
+    let acquired: etcd::Acquired = Default::default();
+    let eps = &etcd.endpoints;
+    let patience = Duration::from_secs(600);
+    let mut workers = Vec::new();
+    for n in 1..=4 {
+        workers.push(etcd::EtcdWorker::join(eps, &format!("w{n}"), 5, partitions, acquired.clone()).await?);
+    }
+    etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4"], patience).await?;
+    let start = Instant::now();
+    workers.push(etcd::EtcdWorker::join(eps, "w5", 5, partitions, acquired.clone()).await?);
+    etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4", "w5"], patience).await?;
+    let moved: Vec<Duration> = acquired
+        .lock()
+        .unwrap()
+        .values()
+        .filter(|(who, t, _)| who == "w5" && *t >= start)
+        .map(|(_, t, _)| t.saturating_duration_since(start))
+        .collect();
+    let join = Sample::new(moved);
+    table.figure(format!("etcd P={partitions} join 4->5: partitions moved"), join.0.len().to_string());
+    table.latency(
+        format!("etcd P={partitions} join 4->5: move, join -> new owner holds the key p99"),
+        join.pct(0.99),
+    );
+    table.latency(format!("etcd P={partitions} join 4->5: every moved partition owned"), join.max());
+
+    let start = Instant::now();
+    workers.pop().context("w5")?.leave().await?;
+    etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4"], patience).await?;
+    let moved: Vec<Duration> = acquired
+        .lock()
+        .unwrap()
+        .values()
+        .filter(|(_, t, _)| *t >= start)
+        .map(|(_, t, _)| t.saturating_duration_since(start))
+        .collect();
+    let leave = Sample::new(moved);
+    table.figure(format!("etcd P={partitions} leave 5->4: partitions moved"), leave.0.len().to_string());
+    table.latency(format!("etcd P={partitions} leave 5->4: every moved partition owned"), leave.max());
+    for w in workers {
+        w.leave().await?;
+    }
+    Ok((join.max(), leave.max()))
+}
+
+/// The etcd design when a worker dies: its lease must run out first.
+async fn etcd_crash(table: &mut Table, etcd: &etcd::EtcdCluster, ttl_s: i64) -> Result<Duration> {
+    let partitions = 256;
+    let acquired: etcd::Acquired = Default::default();
+    let eps = &etcd.endpoints;
+    let mut workers = Vec::new();
+    for n in 1..=4 {
+        workers
+            .push(etcd::EtcdWorker::join(eps, &format!("w{n}"), ttl_s, partitions, acquired.clone()).await?);
+    }
+    etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4"], Duration::from_secs(120)).await?;
+    let victim = workers.pop().context("w4")?;
+    let granted = victim.granted_ttl;
+    let start = Instant::now();
+    victim.crash();
+    etcd::settle(eps, partitions, &["w1", "w2", "w3"], Duration::from_secs(120)).await?;
+    let moved: Vec<Duration> = acquired
+        .lock()
+        .unwrap()
+        .values()
+        .filter(|(_, t, _)| *t >= start)
+        .map(|(_, t, _)| t.saturating_duration_since(start))
+        .collect();
+    let crash = Sample::new(moved);
+    let label = format!("etcd crash at lease TTL {ttl_s} s (granted {granted} s)");
+    table.latency(format!("{label}: owned again p99"), crash.pct(0.99));
+    table.latency(format!("{label}: owned again, last partition"), crash.max());
+    for w in workers {
+        w.leave().await?;
+    }
+    // The dead worker's lease is gone by now; nothing of it is left to clean.
+    Ok(crash.max())
+}
+
+fn ratio(table: &mut Table, what: &str, tenure: Duration, etcd: Duration) {
+    table.figure(
+        format!("ratio etcd / tenure: {what}"),
+        format!("{:.1}x", etcd.as_secs_f64() / tenure.as_secs_f64().max(1e-9)),
+    );
+}
+
 async fn run(quick: bool) -> Result<String> {
     let dir = tempfile::tempdir()?;
     let base = cluster(dir.path(), 1024, Duration::from_secs(5)).await?;
@@ -424,17 +558,35 @@ async fn run(quick: bool) -> Result<String> {
     table.latency("one Raft commit (no-op write) p50", floor.pct(0.5));
     table.latency("one Raft commit (no-op write) p99", floor.pct(0.99));
     eprintln!("commit floor measured");
-    join_and_leave(&mut table, 1024).await?;
-    eprintln!("P=1024 join/leave measured");
-    if !quick {
-        join_and_leave(&mut table, 65536).await?;
-        eprintln!("P=65536 join/leave measured");
+
+    let etcd = match etcd::EtcdCluster::start().await {
+        Ok(etcd) => Some(etcd),
+        Err(e) => {
+            eprintln!("etcd baseline skipped: {e:#}");
+            table.figure("etcd baseline", "skipped (etcd not available)");
+            None
+        }
+    };
+    let sizes: &[u32] = if quick { &[1024] } else { &[1024, 65536] };
+    for &p in sizes {
+        let (join, leave) = join_and_leave(&mut table, p).await?;
+        eprintln!("P={p} join/leave measured");
+        if let Some(etcd) = &etcd {
+            let (ejoin, eleave) = etcd_join_and_leave(&mut table, etcd, p).await?;
+            ratio(&mut table, &format!("P={p} join 4->5, every moved partition owned"), join, ejoin);
+            ratio(&mut table, &format!("P={p} leave 5->4, every moved partition owned"), leave, eleave);
+            eprintln!("etcd P={p} join/leave measured");
+        }
     }
-    crash_failover(&mut table, Duration::from_secs(1)).await?;
-    if !quick {
-        crash_failover(&mut table, Duration::from_secs(5)).await?;
+    let ttls: &[u64] = if quick { &[1] } else { &[1, 5] };
+    for &ttl in ttls {
+        let crash = crash_failover(&mut table, Duration::from_secs(ttl)).await?;
+        if let Some(etcd) = &etcd {
+            let ecrash = etcd_crash(&mut table, etcd, ttl as i64).await?;
+            ratio(&mut table, &format!("crash at TTL {ttl} s, last partition owned again"), crash, ecrash);
+        }
+        eprintln!("crash failover at TTL {ttl} s measured");
     }
-    eprintln!("crash failover measured");
     leader_loss(&mut table).await?;
     eprintln!("leader loss measured");
     heartbeat_throughput(&mut table, if quick { 200 } else { 2000 }, Duration::from_secs(5)).await?;

@@ -15,17 +15,44 @@ use openraft::raft::{
 use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::transport::{Channel, Endpoint};
 
 /// Largest Raft message a node sends or accepts.
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
-/// Creates one client per peer; openraft keeps them per replication stream.
+/// Creates clients for peers. openraft asks for a new client per replication stream and, in
+/// 0.9, for every leadership check (`ensure_linearizable`), so the channels are kept here and
+/// shared: a leadership check then costs one round trip on an open HTTP/2 connection instead of
+/// a new connection. A tonic channel reconnects by itself after a peer restarts.
 #[derive(Clone, Default)]
 pub struct Network {
     /// Source address of connections to peers, when the node is told to dial from one.
     pub dial_from: Option<std::net::IpAddr>,
+    channels: Arc<Mutex<HashMap<String, Channel>>>,
+}
+
+impl Network {
+    pub fn new(dial_from: Option<std::net::IpAddr>) -> Network {
+        Network { dial_from, channels: Arc::default() }
+    }
+
+    fn channel(&self, addr: &str) -> Result<Channel, String> {
+        let mut channels = self.channels.lock().expect("channel cache poisoned");
+        if let Some(channel) = channels.get(addr) {
+            return Ok(channel.clone());
+        }
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| format!("bad address {addr:?}: {e}"))?
+            .connect_timeout(Duration::from_secs(1))
+            .tcp_nodelay(true)
+            .local_address(self.dial_from)
+            .connect_lazy();
+        channels.insert(addr.to_string(), channel.clone());
+        Ok(channel)
+    }
 }
 
 pub struct PeerClient {
@@ -37,16 +64,14 @@ impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
     async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
-        let client = Endpoint::from_shared(format!("http://{}", node.addr))
-            .map(|e| {
-                e.connect_timeout(Duration::from_secs(1)).tcp_nodelay(true).local_address(self.dial_from)
-            })
-            .map(|e| {
-                RaftTransportClient::new(e.connect_lazy())
+        let client = self
+            .channel(&node.addr)
+            .map(|channel| {
+                RaftTransportClient::new(channel)
                     .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
                     .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
             })
-            .map_err(|e| format!("bad address {:?} for node {target}: {e}", node.addr));
+            .map_err(|e| format!("node {target}: {e}"));
         PeerClient { target, client }
     }
 }

@@ -235,7 +235,7 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config(&config)?),
-        Network { dial_from: config.dial_from },
+        Network::new(config.dial_from),
         log_store,
         sm.clone(),
     )
