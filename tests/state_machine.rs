@@ -51,6 +51,13 @@ impl Story {
                 assert!(r.token.0 > 0 && r.token.0 <= self.index);
             }
         }
+        // The owner index answers exactly what a scan of the table does.
+        for session in self.state.sessions().keys() {
+            let scanned: Vec<u32> = (0..self.state.partitions().len() as u32)
+                .filter(|p| self.state.partition(PartitionId(*p)).unwrap().owner == Some(*session))
+                .collect();
+            assert_eq!(self.owned(*session), scanned, "owner index of session {session}");
+        }
     }
 }
 

@@ -47,6 +47,7 @@ pub struct Changes {
 
 /// The replicated table. See the module docs of [`crate::ownership`].
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "StateData")]
 pub struct OwnershipState {
     config: Option<Config>,
     partitions: Vec<PartitionRecord>,
@@ -54,6 +55,25 @@ pub struct OwnershipState {
     next_session: u64,
     #[serde(skip)]
     changes: Changes,
+    /// Partitions per owner, derived from `partitions` (never persisted, rebuilt on load), so a
+    /// heartbeat costs what the session owns rather than the size of the table.
+    #[serde(skip)]
+    owned: BTreeMap<SessionId, BTreeSet<u32>>,
+}
+
+/// What a snapshot carries; the derived index is rebuilt from it.
+#[derive(Deserialize)]
+struct StateData {
+    config: Option<Config>,
+    partitions: Vec<PartitionRecord>,
+    sessions: BTreeMap<SessionId, SessionRecord>,
+    next_session: u64,
+}
+
+impl From<StateData> for OwnershipState {
+    fn from(d: StateData) -> Self {
+        OwnershipState::from_parts(d.config, d.partitions, d.sessions, d.next_session)
+    }
 }
 
 impl OwnershipState {
@@ -64,7 +84,13 @@ impl OwnershipState {
         sessions: BTreeMap<SessionId, SessionRecord>,
         next_session: u64,
     ) -> Self {
-        OwnershipState { config, partitions, sessions, next_session, changes: Changes::default() }
+        let mut owned: BTreeMap<SessionId, BTreeSet<u32>> = BTreeMap::new();
+        for (p, record) in partitions.iter().enumerate() {
+            if let Some(owner) = record.owner {
+                owned.entry(owner).or_default().insert(p as u32);
+            }
+        }
+        OwnershipState { config, partitions, sessions, next_session, changes: Changes::default(), owned }
     }
 
     pub fn config(&self) -> Option<Config> {
@@ -100,12 +126,17 @@ impl OwnershipState {
 
     /// Partitions a session owns, with their tokens and revoking flags.
     pub fn owned_by(&self, session: SessionId) -> Vec<(PartitionId, PartitionRecord)> {
-        self.partitions
-            .iter()
-            .enumerate()
-            .filter(|(_, r)| r.owner == Some(session))
-            .map(|(p, r)| (PartitionId(p as u32), *r))
+        self.owned
+            .get(&session)
+            .into_iter()
+            .flatten()
+            .map(|p| (PartitionId(*p), self.partitions[*p as usize]))
             .collect()
+    }
+
+    /// How many partitions a session owns (revoking ones included).
+    pub fn owned_count(&self, session: SessionId) -> usize {
+        self.owned.get(&session).map_or(0, BTreeSet::len)
     }
 
     /// Takes the set of keys changed since the last call.
@@ -213,6 +244,7 @@ impl OwnershipState {
         }
         self.config = Some(Config { partition_count, lease_ttl_ms });
         self.partitions = vec![PartitionRecord::default(); partition_count as usize];
+        self.owned.clear();
         self.changes.meta = true;
         Ok(Response::Configured)
     }
@@ -319,8 +351,23 @@ impl OwnershipState {
         self.changes.sessions.insert(session);
     }
 
+    /// Every change to a partition row goes through here, which keeps the owner index true.
     fn set_partition(&mut self, p: PartitionId, record: PartitionRecord) {
-        self.partitions[p.0 as usize] = record;
+        let old = std::mem::replace(&mut self.partitions[p.0 as usize], record);
+        if old.owner != record.owner {
+            if let Some(owner) = old.owner {
+                let emptied = self.owned.get_mut(&owner).is_some_and(|set| {
+                    set.remove(&p.0);
+                    set.is_empty()
+                });
+                if emptied {
+                    self.owned.remove(&owner);
+                }
+            }
+            if let Some(owner) = record.owner {
+                self.owned.entry(owner).or_default().insert(p.0);
+            }
+        }
         self.changes.partitions.insert(p.0);
     }
 

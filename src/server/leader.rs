@@ -135,11 +135,9 @@ fn observe(node: &Node, applied: &AppliedEvent) {
         .any(|e| matches!(e, Event::Granted { .. } | Event::Lost { .. } | Event::Released { .. }))
     {
         let state = node.state.read().expect("state lock poisoned");
-        let mut owned: HashMap<&str, u64> = HashMap::new();
-        for record in state.state.partitions() {
-            if let Some(s) = record.owner.and_then(|s| state.state.session(s)) {
-                *owned.entry(s.name.as_str()).or_default() += 1;
-            }
+        let mut owned: HashMap<&str, usize> = HashMap::new();
+        for (session, record) in state.state.sessions() {
+            *owned.entry(record.name.as_str()).or_default() += state.state.owned_count(*session);
         }
         for (name, count) in owned {
             metrics::gauge!("tenure_owned_partitions", "worker" => name.to_string()).set(count as f64);
@@ -202,12 +200,12 @@ pub(crate) async fn run_renewals(
             answers.push((r.session, r.reply, answer));
         }
         drop(leases);
-        if !wanted.is_empty() {
-            for (p, record) in applied.state.partitions().iter().enumerate() {
-                if let (Some(owner), false) = (record.owner, record.revoking) {
-                    if let Some(list) = wanted.get_mut(&owner) {
-                        list.push((p as u32, record.token.0));
-                    }
+        // What each renewed session owns, from the owner index: the cost follows what the
+        // sessions own, not the size of the table.
+        for (session, list) in wanted.iter_mut() {
+            for (p, record) in applied.state.owned_by(*session) {
+                if !record.revoking {
+                    list.push((p.0, record.token.0));
                 }
             }
         }
