@@ -11,6 +11,7 @@
 mod etcd;
 
 use anyhow::{bail, Context, Result};
+use futures::StreamExt;
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
@@ -222,8 +223,8 @@ async fn commit_floor(cluster: &LocalCluster, n: usize) -> Result<Sample> {
 }
 
 /// 4 -> 5 and 5 -> 4 workers at `partitions`.
-/// Returns how long the join and the leave took until every moved partition was owned.
-async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Duration, Duration)> {
+/// Returns, per moved partition, how long the join and the leave took until it was owned.
+async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Sample, Sample)> {
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
     let mut fleet = Fleet::new(&cluster);
@@ -260,7 +261,7 @@ async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Duration,
         wrote.pct(0.99),
     );
     table.latency(format!("P={partitions} join 4->5: every moved partition owned and confirmed"), told.max());
-    let join_all = told.max();
+    let join_all = told;
 
     // Leave: w5 hands everything back.
     let leaving = fleet.workers["w5"].owned().len();
@@ -280,7 +281,7 @@ async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Duration,
     );
     table
         .latency(format!("P={partitions} leave 5->4: every moved partition owned and confirmed"), told.max());
-    let leave_all = told.max();
+    let leave_all = told;
     for w in fleet.workers.values() {
         let _ = w.leave().await;
     }
@@ -289,7 +290,7 @@ async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Duration,
 }
 
 /// A worker stops heartbeating: time until its partitions are owned again (returned: the last).
-async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Duration> {
+async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Sample> {
     let partitions = 256;
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, ttl).await?;
@@ -316,7 +317,7 @@ async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Duration> {
         let _ = w.leave().await;
     }
     cluster.shutdown().await;
-    Ok(told.max())
+    Ok(told)
 }
 
 /// The leader stops: time until a new leader, a renewal and a grant are served again.
@@ -372,23 +373,36 @@ fn cpu_time() -> Option<Duration> {
 }
 
 /// Many sessions heartbeating from this process: renewals per second the leader acknowledges.
-async fn heartbeat_throughput(table: &mut Table, sessions: usize, window: Duration) -> Result<()> {
-    let partitions = 1024;
+async fn heartbeat_throughput(
+    table: &mut Table,
+    partitions: u32,
+    sessions: usize,
+    window: Duration,
+) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, Duration::from_secs(60)).await?;
     let client = Client::new(cluster.addrs())?;
-    let mut joined = Vec::with_capacity(sessions);
     let join_start = Instant::now();
-    for n in 0..sessions {
-        let name = format!("s{n}");
-        let r = client
-            .call(|mut c| {
-                let name = name.clone();
-                async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
-            })
-            .await?;
-        joined.push(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret });
-    }
+    // Joins go 32 at a time, as a fleet starting up would; Raft batches them.
+    let joined: Vec<proto::HeartbeatRequest> = futures::stream::iter(0..sessions)
+        .map(|n| {
+            let client = client.clone();
+            async move {
+                let name = format!("s{n}");
+                let r = client
+                    .call(|mut c| {
+                        let name = name.clone();
+                        async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
+                    })
+                    .await?;
+                Ok::<_, anyhow::Error>(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret })
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_>>()?;
     let join_time = join_start.elapsed();
     // One at a time first: the latency of a renewal (a quorum round and the table lookup).
     let mut single = Vec::new();
@@ -404,10 +418,10 @@ async fn heartbeat_throughput(table: &mut Table, sessions: usize, window: Durati
         single.push(t.elapsed());
     }
     let single = Sample::new(single);
-    table.latency("heartbeat round trip, one at a time, p50", single.pct(0.5));
-    table.latency("heartbeat round trip, one at a time, p99", single.pct(0.99));
+    table.latency(format!("P={partitions}: heartbeat round trip, one at a time, p50"), single.pct(0.5));
+    table.latency(format!("P={partitions}: heartbeat round trip, one at a time, p99"), single.pct(0.99));
     let joined = Arc::new(joined);
-    let concurrency = 64;
+    let concurrency = 256;
     let cpu_before = cpu_time();
     let start = Instant::now();
     let mut tasks = Vec::new();
@@ -444,12 +458,14 @@ async fn heartbeat_throughput(table: &mut Table, sessions: usize, window: Durati
         format!("{:.1} s", join_time.as_secs_f64()),
     );
     table.figure(
-        format!("{sessions} sessions: heartbeats acknowledged per second ({concurrency} in flight)"),
+        format!("P={partitions}, {sessions} sessions: heartbeats acknowledged per second ({concurrency} in flight)"),
         format!("{:.0}", acked as f64 / elapsed.as_secs_f64()),
     );
     if let Some(cpu) = cpu {
         table.figure(
-            "CPU per acknowledged heartbeat (cluster and clients, one process)",
+            format!(
+                "P={partitions}, {sessions} sessions: CPU per acknowledged heartbeat (cluster and clients)"
+            ),
             format!("{:.0} us", cpu.as_secs_f64() * 1e6 / acked.max(1) as f64),
         );
     }
@@ -462,7 +478,7 @@ async fn etcd_join_and_leave(
     table: &mut Table,
     etcd: &etcd::EtcdCluster,
     partitions: u32,
-) -> Result<(Duration, Duration)> {
+) -> Result<(Sample, Sample)> {
     let acquired: etcd::Acquired = Default::default();
     let eps = &etcd.endpoints;
     let patience = Duration::from_secs(600);
@@ -505,11 +521,11 @@ async fn etcd_join_and_leave(
     for w in workers {
         w.leave().await?;
     }
-    Ok((join.max(), leave.max()))
+    Ok((join, leave))
 }
 
 /// The etcd design when a worker dies: its lease must run out first.
-async fn etcd_crash(table: &mut Table, etcd: &etcd::EtcdCluster, ttl_s: i64) -> Result<Duration> {
+async fn etcd_crash(table: &mut Table, etcd: &etcd::EtcdCluster, ttl_s: i64) -> Result<Sample> {
     let partitions = 256;
     let acquired: etcd::Acquired = Default::default();
     let eps = &etcd.endpoints;
@@ -539,7 +555,7 @@ async fn etcd_crash(table: &mut Table, etcd: &etcd::EtcdCluster, ttl_s: i64) -> 
         w.leave().await?;
     }
     // The dead worker's lease is gone by now; nothing of it is left to clean.
-    Ok(crash.max())
+    Ok(crash)
 }
 
 fn ratio(table: &mut Table, what: &str, tenure: Duration, etcd: Duration) {
@@ -549,7 +565,7 @@ fn ratio(table: &mut Table, what: &str, tenure: Duration, etcd: Duration) {
     );
 }
 
-async fn run(quick: bool) -> Result<String> {
+async fn run(quick: bool) -> Result<(String, String)> {
     let dir = tempfile::tempdir()?;
     let base = cluster(dir.path(), 1024, Duration::from_secs(5)).await?;
     let floor = commit_floor(&base, if quick { 200 } else { 1000 }).await?;
@@ -567,15 +583,32 @@ async fn run(quick: bool) -> Result<String> {
             None
         }
     };
+    let mut curves: Vec<(String, Sample)> = Vec::new();
     let sizes: &[u32] = if quick { &[1024] } else { &[1024, 65536] };
     for &p in sizes {
         let (join, leave) = join_and_leave(&mut table, p).await?;
         eprintln!("P={p} join/leave measured");
         if let Some(etcd) = &etcd {
             let (ejoin, eleave) = etcd_join_and_leave(&mut table, etcd, p).await?;
-            ratio(&mut table, &format!("P={p} join 4->5, every moved partition owned"), join, ejoin);
-            ratio(&mut table, &format!("P={p} leave 5->4, every moved partition owned"), leave, eleave);
+            ratio(
+                &mut table,
+                &format!("P={p} join 4->5, every moved partition owned"),
+                join.max(),
+                ejoin.max(),
+            );
+            ratio(
+                &mut table,
+                &format!("P={p} leave 5->4, every moved partition owned"),
+                leave.max(),
+                eleave.max(),
+            );
             eprintln!("etcd P={p} join/leave measured");
+            if p == 1024 {
+                curves.push((format!("etcd, join 4->5, P={p}"), ejoin));
+            }
+        }
+        if p == 1024 {
+            curves.push((format!("tenure, join 4->5, P={p}"), join));
         }
     }
     let ttls: &[u64] = if quick { &[1] } else { &[1, 5] };
@@ -583,14 +616,104 @@ async fn run(quick: bool) -> Result<String> {
         let crash = crash_failover(&mut table, Duration::from_secs(ttl)).await?;
         if let Some(etcd) = &etcd {
             let ecrash = etcd_crash(&mut table, etcd, ttl as i64).await?;
-            ratio(&mut table, &format!("crash at TTL {ttl} s, last partition owned again"), crash, ecrash);
+            ratio(
+                &mut table,
+                &format!("crash at TTL {ttl} s, last partition owned again"),
+                crash.max(),
+                ecrash.max(),
+            );
+            if ttl == 1 {
+                curves.push((format!("etcd, crash, lease TTL {ttl} s"), ecrash));
+            }
+        }
+        if ttl == 1 {
+            curves.push((format!("tenure, crash, TTL {ttl} s"), crash));
         }
         eprintln!("crash failover at TTL {ttl} s measured");
     }
     leader_loss(&mut table).await?;
     eprintln!("leader loss measured");
-    heartbeat_throughput(&mut table, if quick { 200 } else { 2000 }, Duration::from_secs(5)).await?;
-    Ok(table.render())
+    let loads: &[(u32, usize)] =
+        if quick { &[(1024, 500)] } else { &[(1024, 1000), (65536, 1000), (1024, 10_000)] };
+    for &(p, sessions) in loads {
+        heartbeat_throughput(&mut table, p, sessions, Duration::from_secs(5)).await?;
+        eprintln!("heartbeats at P={p} with {sessions} sessions measured");
+    }
+    Ok((table.render(), cdf_svg(&curves)))
+}
+
+/// Cumulative distributions of per-partition latencies, on a log scale from 1 ms to 10 s, as SVG.
+fn cdf_svg(curves: &[(String, Sample)]) -> String {
+    let (w, h, left, bottom, top, right) = (760.0, 420.0, 60.0, 50.0, 20.0, 20.0);
+    let (plot_w, plot_h) = (w - left - right, h - top - bottom);
+    let x_of = |d: Duration| {
+        let ms = ms(d).clamp(1.0, 10_000.0);
+        left + plot_w * ms.log10() / 4.0
+    };
+    let y_of = |f: f64| top + plot_h * (1.0 - f);
+    let colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b"];
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    for (i, label) in ["1 ms", "10 ms", "100 ms", "1 s", "10 s"].iter().enumerate() {
+        let x = left + plot_w * i as f64 / 4.0;
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{x}\" y1=\"{top}\" x2=\"{x}\" y2=\"{}\" stroke=\"#ddd\"/>",
+            top + plot_h
+        );
+        let _ = writeln!(
+            svg,
+            "<text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">{label}</text>",
+            top + plot_h + 18.0
+        );
+    }
+    for f in [0.0, 0.5, 1.0] {
+        let y = y_of(f);
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{left}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"#ddd\"/>",
+            left + plot_w
+        );
+        let _ =
+            writeln!(svg, "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{f:.1}</text>", left - 6.0, y + 4.0);
+    }
+    let _ = writeln!(
+        svg,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">time until the partition is owned again (log scale)</text>",
+        left + plot_w / 2.0,
+        h - 8.0
+    );
+    for (i, (label, sample)) in curves.iter().enumerate() {
+        let color = colors[i % colors.len()];
+        let n = sample.0.len().max(1) as f64;
+        let mut points = String::new();
+        for (k, d) in sample.0.iter().enumerate() {
+            let _ = write!(
+                points,
+                "{:.1},{:.1} {:.1},{:.1} ",
+                x_of(*d),
+                y_of(k as f64 / n),
+                x_of(*d),
+                y_of((k + 1) as f64 / n)
+            );
+        }
+        let _ = writeln!(
+            svg,
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{points}\"/>"
+        );
+        let y = top + 16.0 + 18.0 * i as f64;
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"{color}\" stroke-width=\"2\"/>",
+            left + 10.0,
+            left + 30.0
+        );
+        let _ = writeln!(svg, "<text x=\"{}\" y=\"{}\">{label}</text>", left + 36.0, y + 4.0);
+    }
+    svg.push_str("</svg>\n");
+    svg
 }
 
 fn main() -> Result<()> {
@@ -601,12 +724,13 @@ fn main() -> Result<()> {
     }
     let quick = args.iter().any(|a| a == "--quick") || std::env::var_os("TENURE_BENCH_QUICK").is_some();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let table = runtime.block_on(run(quick))?;
+    let (table, svg) = runtime.block_on(run(quick))?;
     println!("\n{table}");
     let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
     let out = std::path::Path::new(&target).join("tenure-bench");
     std::fs::create_dir_all(&out)?;
     std::fs::write(out.join("results.md"), &table)?;
-    println!("written to {}", out.join("results.md").display());
+    std::fs::write(out.join("latency.svg"), &svg)?;
+    println!("written to {} and latency.svg", out.join("results.md").display());
     Ok(())
 }
