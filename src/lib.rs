@@ -33,6 +33,8 @@ pub mod raft;
 #[cfg(feature = "coordinator")]
 pub mod server;
 #[cfg(feature = "coordinator")]
+pub mod simulation;
+#[cfg(feature = "coordinator")]
 pub mod store;
 #[cfg(feature = "worker")]
 pub mod worker;

@@ -31,6 +31,8 @@ enum Command {
     Ctl(CtlArgs),
     /// Run the real cluster and workers under seeded faults, record the history and check it.
     Nemesis(NemesisArgs),
+    /// Run the seeded simulation of the lease protocol over many seeds and check every history.
+    Simulate(SimulateArgs),
     /// Run a worker that writes a counter per owned partition into a PostgreSQL-fenced store,
     /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
     #[cfg(feature = "fence-postgres")]
@@ -128,6 +130,25 @@ struct NemesisArgs {
 }
 
 #[derive(Args)]
+struct SimulateArgs {
+    /// First seed (also read from TENURE_SIM_SEED, to replay one).
+    #[arg(long, env = "TENURE_SIM_SEED", default_value_t = 0)]
+    seed: u64,
+    /// How many seeds, from the first.
+    #[arg(long, default_value_t = 1000)]
+    seeds: u64,
+    /// Simulated seconds of faults per seed.
+    #[arg(long, default_value_t = 20)]
+    fault_secs: u64,
+    /// Chance that a message is held up for 200-800 ms.
+    #[arg(long, default_value_t = 0.01)]
+    slow: f64,
+    /// Switch the store's fencing check off (the checker must then report violations).
+    #[arg(long)]
+    no_fencing: bool,
+}
+
+#[derive(Args)]
 struct CtlArgs {
     /// Coordinator addresses (host:port), comma separated.
     #[arg(long, env = "TENURE_COORDINATORS", value_delimiter = ',', required = true)]
@@ -175,6 +196,7 @@ async fn main() -> Result<()> {
         }
         Command::Ctl(args) => ctl(args).await,
         Command::Nemesis(args) => nemesis(args).await,
+        Command::Simulate(args) => simulate(args),
         #[cfg(feature = "fence-postgres")]
         Command::Work(args) => work(args).await,
     }
@@ -325,6 +347,39 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
     println!("{} runs: {operations} operations, {injected} faults, {violations} violations", args.runs);
     if violations > 0 {
         bail!("{violations} violations");
+    }
+    Ok(())
+}
+
+fn simulate(args: SimulateArgs) -> Result<()> {
+    use tenure::simulation::{simulate, SimConfig};
+    let started = std::time::Instant::now();
+    let (mut faults, mut decisions, mut failed) = (0, 0, Vec::new());
+    for seed in args.seed..args.seed + args.seeds {
+        let mut config = SimConfig::new(seed);
+        config.fault_ms = args.fault_secs * 1000;
+        config.slow = args.slow;
+        config.fencing = !args.no_fencing;
+        let outcome = simulate(&config);
+        faults += outcome.history.faults.len();
+        decisions += outcome.history.store.len() + outcome.history.coordinator.len();
+        if !outcome.report.passed() {
+            println!(
+                "seed {seed} FAILED (replay: tenure simulate --seed {seed} --seeds 1):\n{}",
+                outcome.report
+            );
+            failed.push(seed);
+        }
+    }
+    println!(
+        "{} seeds in {:.1} s: {faults} faults, {decisions} recorded decisions, {} failing seeds {:?}",
+        args.seeds,
+        started.elapsed().as_secs_f64(),
+        failed.len(),
+        failed
+    );
+    if !failed.is_empty() {
+        bail!("{} seeds violated invariants", failed.len());
     }
     Ok(())
 }

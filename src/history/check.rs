@@ -206,50 +206,56 @@ fn one_owner(log: &[Committed]) -> Verdict {
 }
 
 /// At any instant on the shared clock, at most one worker believes it holds a partition: the
-/// belief windows of different grants never overlap.
+/// belief intervals of different grants never overlap.
+///
+/// A grant can be believed several times over (a lease that ran out locally and came back), so
+/// each grant's records are read in time order: an `Acquired` or a first belief opens an
+/// interval, each later belief may stretch it, and a revoke, loss or release closes it at once.
 fn one_believer(history: &History) -> Verdict {
     let mut v = Verdict::new("one believer at any instant");
-    // One belief window per grant a worker acted on.
-    struct Window<'a> {
+    struct Interval<'a> {
         from: u64,
         until: u64,
         session: SessionId,
         token: FencingToken,
         worker: &'a str,
     }
-    // A belief ends at the first revoke, loss or release the worker saw for the grant.
-    let mut ended: BTreeMap<(PartitionId, SessionId, FencingToken), u64> = BTreeMap::new();
+    let mut by_grant: BTreeMap<(PartitionId, SessionId, FencingToken), Vec<&super::WorkerRecord>> =
+        BTreeMap::new();
     for r in &history.workers {
-        if matches!(r.op, WorkerOp::Revoked | WorkerOp::Lost | WorkerOp::Released) {
-            let end = ended.entry((r.partition, r.session, r.token)).or_insert(r.start_ns);
-            *end = (*end).min(r.start_ns);
-        }
+        by_grant.entry((r.partition, r.session, r.token)).or_default().push(r);
     }
-    let mut windows: BTreeMap<(PartitionId, SessionId, FencingToken), Window> = BTreeMap::new();
-    for r in &history.workers {
-        let Some(until) = r.believed_until_ns else { continue };
-        let w = windows.entry((r.partition, r.session, r.token)).or_insert(Window {
-            from: r.start_ns,
-            until,
-            session: r.session,
-            token: r.token,
-            worker: &r.worker,
+    let mut by_partition: BTreeMap<PartitionId, Vec<Interval>> = BTreeMap::new();
+    for ((p, session, token), mut records) in by_grant {
+        records.sort_by_key(|r| {
+            (r.start_ns, matches!(r.op, WorkerOp::Revoked | WorkerOp::Lost | WorkerOp::Released))
         });
-        w.from = w.from.min(r.start_ns);
-        w.until = w.until.max(until);
-    }
-    let mut by_partition: BTreeMap<PartitionId, Vec<Window>> = BTreeMap::new();
-    for (key, mut w) in windows {
-        if let Some(end) = ended.get(&key) {
-            w.until = w.until.min(*end);
+        let mut open: Option<Interval> = None;
+        let intervals = by_partition.entry(p).or_default();
+        for r in records {
+            match (r.op, r.believed_until_ns) {
+                (WorkerOp::Revoked | WorkerOp::Lost | WorkerOp::Released, _) => {
+                    if let Some(mut i) = open.take() {
+                        i.until = i.until.min(r.start_ns);
+                        intervals.push(i);
+                    }
+                }
+                (_, Some(until)) if until > r.start_ns => match open.as_mut() {
+                    Some(i) => i.until = i.until.max(until),
+                    None => {
+                        open = Some(Interval { from: r.start_ns, until, session, token, worker: &r.worker })
+                    }
+                },
+                _ => {}
+            }
         }
-        let (p, _, _) = key;
-        by_partition.entry(p).or_default().push(w);
+        intervals.extend(open);
     }
     for (p, mut ws) in by_partition {
+        ws.retain(|i| i.until > i.from);
         ws.sort_by_key(|w| (w.from, w.until));
-        // Compare each window with the one reaching furthest among those that began before it.
-        let mut reach: Option<&Window> = None;
+        // Compare each interval with the one reaching furthest among those that began before it.
+        let mut reach: Option<&Interval> = None;
         for b in &ws {
             let a = match reach {
                 Some(a) if a.until >= b.until => a,
@@ -262,7 +268,7 @@ fn one_believer(history: &History) -> Verdict {
                     }
                 }
             };
-            if b.from < a.until {
+            if b.from < a.until && (a.session, a.token) != (b.session, b.token) {
                 v.violation(format!(
                     "{p}: {} (session {}, token {}) believed it until {} ns, but {} (session {}, token {}) \
                      believed it from {} ns",
