@@ -272,7 +272,9 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let shutdown = cancel.clone();
     tasks.push(tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // No Nagle: small answers and stream events must not wait for the peer's delayed ACK
+        // (about 40 ms on Linux), which would be most of a planned move.
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let result = tonic::transport::Server::builder()
             .add_service(coordinator)
             .add_service(transport)
