@@ -473,6 +473,19 @@ async fn heartbeat_throughput(
     Ok(())
 }
 
+/// How long after `start` each partition taken since then was taken (by `who`, if given).
+fn taken_since(acquired: &etcd::Acquired, start: Instant, who: Option<&str>) -> Sample {
+    Sample::new(
+        acquired
+            .lock()
+            .unwrap()
+            .values()
+            .filter(|(by, t, _)| *t >= start && who.is_none_or(|w| w == by))
+            .map(|(_, t, _)| t.saturating_duration_since(start))
+            .collect(),
+    )
+}
+
 /// The etcd design on the same workload: join 4 -> 5 and leave 5 -> 4 at `partitions`.
 async fn etcd_join_and_leave(
     table: &mut Table,
@@ -490,14 +503,7 @@ async fn etcd_join_and_leave(
     let start = Instant::now();
     workers.push(etcd::EtcdWorker::join(eps, "w5", 5, partitions, acquired.clone()).await?);
     etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4", "w5"], patience).await?;
-    let moved: Vec<Duration> = acquired
-        .lock()
-        .unwrap()
-        .values()
-        .filter(|(who, t, _)| who == "w5" && *t >= start)
-        .map(|(_, t, _)| t.saturating_duration_since(start))
-        .collect();
-    let join = Sample::new(moved);
+    let join = taken_since(&acquired, start, Some("w5"));
     table.figure(format!("etcd P={partitions} join 4->5: partitions moved"), join.0.len().to_string());
     table.latency(
         format!("etcd P={partitions} join 4->5: move, join -> new owner holds the key p99"),
@@ -508,14 +514,7 @@ async fn etcd_join_and_leave(
     let start = Instant::now();
     workers.pop().context("w5")?.leave().await?;
     etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4"], patience).await?;
-    let moved: Vec<Duration> = acquired
-        .lock()
-        .unwrap()
-        .values()
-        .filter(|(_, t, _)| *t >= start)
-        .map(|(_, t, _)| t.saturating_duration_since(start))
-        .collect();
-    let leave = Sample::new(moved);
+    let leave = taken_since(&acquired, start, None);
     table.figure(format!("etcd P={partitions} leave 5->4: partitions moved"), leave.0.len().to_string());
     table.latency(format!("etcd P={partitions} leave 5->4: every moved partition owned"), leave.max());
     for w in workers {
@@ -540,14 +539,7 @@ async fn etcd_crash(table: &mut Table, etcd: &etcd::EtcdCluster, ttl_s: i64) -> 
     let start = Instant::now();
     victim.crash();
     etcd::settle(eps, partitions, &["w1", "w2", "w3"], Duration::from_secs(120)).await?;
-    let moved: Vec<Duration> = acquired
-        .lock()
-        .unwrap()
-        .values()
-        .filter(|(_, t, _)| *t >= start)
-        .map(|(_, t, _)| t.saturating_duration_since(start))
-        .collect();
-    let crash = Sample::new(moved);
+    let crash = taken_since(&acquired, start, None);
     let label = format!("etcd crash at lease TTL {ttl_s} s (granted {granted} s)");
     table.latency(format!("{label}: owned again p99"), crash.pct(0.99));
     table.latency(format!("{label}: owned again, last partition"), crash.max());
