@@ -7,7 +7,7 @@
 
 use anyhow::{bail, Context, Result};
 use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
@@ -138,6 +138,11 @@ impl EtcdWorker {
                     Ok(Ok(Some(_))) | Err(_) => {}
                     Ok(_) => return,
                 }
+                while let Some(next) = changes.message().now_or_never() {
+                    if !matches!(next, Ok(Some(_))) {
+                        break;
+                    }
+                }
             }
         }));
         Ok(EtcdWorker { lease, granted_ttl, tasks, client })
@@ -170,14 +175,8 @@ async fn reconcile(c: &mut Client, me: &str, lease: i64, partitions: u32, acquir
         .map(|name| Member { session: session_of(name), name: name.to_string(), weight: 1 })
         .collect();
     members.sort_by_key(|m| m.session);
-    let owners = c.get(format!("{PREFIX}owner/"), Some(GetOptions::new().with_prefix())).await?;
-    let mut current: Vec<Option<SessionId>> = vec![None; partitions as usize];
-    for kv in owners.kvs() {
-        let p: usize = kv.key_str()?.rsplit('/').next().unwrap_or("").parse()?;
-        if let Some(slot) = current.get_mut(p) {
-            *slot = Some(session_of(kv.value_str()?));
-        }
-    }
+    let current: Vec<Option<SessionId>> =
+        read_owners(c, partitions).await?.iter().map(|o| o.as_deref().map(session_of)).collect();
     let target = place(&members, &current);
     let mine = session_of(me);
     let mut ops = Vec::new();
@@ -219,18 +218,32 @@ async fn reconcile(c: &mut Client, me: &str, lease: i64, partitions: u32, acquir
     results.into_iter().collect()
 }
 
+/// The owner of every partition, by worker name, read in pages: one response with 65,536 keys
+/// is more than the client's HTTP/2 layer accepts.
+async fn read_owners(c: &mut Client, partitions: u32) -> Result<Vec<Option<String>>> {
+    let mut table = vec![None; partitions as usize];
+    let end = format!("{PREFIX}owner0"); // '0' follows '/': the end of the prefix
+    let mut from = format!("{PREFIX}owner/");
+    loop {
+        let page =
+            c.get(from.clone(), Some(GetOptions::new().with_range(end.clone()).with_limit(4096))).await?;
+        for kv in page.kvs() {
+            let p: usize = kv.key_str()?.rsplit('/').next().unwrap_or("").parse()?;
+            if let Some(slot) = table.get_mut(p) {
+                *slot = Some(kv.value_str()?.to_string());
+            }
+        }
+        match page.kvs().last() {
+            Some(last) if page.more() => from = format!("{}\0", last.key_str()?),
+            _ => return Ok(table),
+        }
+    }
+}
+
 /// The owner of every partition, by worker name.
 pub async fn owners(endpoints: &[String], partitions: u32) -> Result<Vec<Option<String>>> {
     let mut c = Client::connect(endpoints.to_vec(), None).await?;
-    let owners = c.get(format!("{PREFIX}owner/"), Some(GetOptions::new().with_prefix())).await?;
-    let mut table = vec![None; partitions as usize];
-    for kv in owners.kvs() {
-        let p: usize = kv.key_str()?.rsplit('/').next().unwrap_or("").parse()?;
-        if let Some(slot) = table.get_mut(p) {
-            *slot = Some(kv.value_str()?.to_string());
-        }
-    }
-    Ok(table)
+    read_owners(&mut c, partitions).await
 }
 
 /// Waits until every partition is owned by one of `names` and balanced within one.
