@@ -126,7 +126,10 @@ impl EtcdWorker {
         client
             .put(format!("{PREFIX}members/{name}"), name, Some(PutOptions::new().with_lease(lease)))
             .await?;
-        let mut changes = client.watch(PREFIX, Some(WatchOptions::new().with_prefix())).await?;
+        // Membership changes arrive on a watch; the partition keys are polled every 50 ms (a watch
+        // on them floods the client with small messages at 65,536 partitions).
+        let mut changes =
+            client.watch(format!("{PREFIX}members/"), Some(WatchOptions::new().with_prefix())).await?;
         let (me, mut c) = (name.to_string(), client.clone());
         tasks.push(tokio::spawn(async move {
             loop {
@@ -134,7 +137,7 @@ impl EtcdWorker {
                     eprintln!("etcd worker {me}: {e}");
                 }
                 // Wait for a change, then take every change that queued up.
-                match tokio::time::timeout(Duration::from_millis(200), changes.message()).await {
+                match tokio::time::timeout(Duration::from_millis(50), changes.message()).await {
                     Ok(Ok(Some(_))) | Err(_) => {}
                     Ok(_) => return,
                 }
