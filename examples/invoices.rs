@@ -652,7 +652,9 @@ async fn main() -> Result<()> {
     for bits in 0..8u8 {
         let layers =
             Layers { lease_checks: bits & 1 != 0, fencing: bits & 2 != 0, unique_key: bits & 4 != 0 };
-        match run(layers, postgres.as_deref()).await {
+        // Every run is bounded: a run that cannot finish (say, its worker never froze) fails.
+        let bounded = tokio::time::timeout(Duration::from_secs(120), run(layers, postgres.as_deref()));
+        match bounded.await.unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not finish within 120 s"))) {
             Ok(outcome) => outcomes.push(outcome),
             Err(e) => {
                 failed = Some(e);

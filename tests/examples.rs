@@ -20,9 +20,28 @@ fn example(name: &str) -> PathBuf {
     path
 }
 
-fn run(name: &str, args: &[&str]) -> String {
-    let output =
-        Command::new(example(name)).args(args).env("RUST_BACKTRACE", "0").output().expect("example runs");
+/// Runs an example to its end, or kills it after `limit`: a hung example fails the test instead
+/// of hanging the suite.
+fn run_for(name: &str, args: &[&str], limit: std::time::Duration) -> String {
+    let child = Command::new(example(name))
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("example starts");
+    let pid = child.id();
+    let (done, waited) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(child.wait_with_output());
+    });
+    let output = match waited.recv_timeout(limit) {
+        Ok(output) => output.expect("example runs"),
+        Err(_) => {
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            panic!("{name} did not finish within {limit:?}");
+        }
+    };
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
@@ -34,7 +53,7 @@ fn run(name: &str, args: &[&str]) -> String {
 
 #[test]
 fn gc_pause_stale_write_wins_without_fencing_and_is_rejected_with_it() {
-    let out = run("gc_pause", &[]);
+    let out = run_for("gc_pause", &[], std::time::Duration::from_secs(120));
     assert!(out.contains("final value: batch-1-late"), "{out}");
     assert!(out.contains("final value: batch-2"), "{out}");
     assert!(out.contains("REJECT A token="), "{out}");
@@ -55,7 +74,7 @@ fn duplicates(out: &str) -> Vec<((String, String, String), u64)> {
 
 #[test]
 fn invoices_duplicates_with_a_plain_lock_and_none_with_all_three_layers() {
-    let out = run("invoices", &["--postgres", &postgres()]);
+    let out = run_for("invoices", &["--postgres", &postgres()], std::time::Duration::from_secs(600));
     let rows = duplicates(&out);
     assert_eq!(rows.len(), 8, "{out}");
     let of = |l: &str, f: &str, u: &str| {
