@@ -153,10 +153,29 @@ impl Fleet {
                 return Ok(());
             }
             if Instant::now() > until {
-                bail!("the table did not settle: {} of {partitions} partitions believed", self.owned());
+                bail!("the table did not settle: {}", self.mismatch(cluster).await);
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// What keeps the table from settling, for the error message.
+    async fn mismatch(&self, cluster: &LocalCluster) -> String {
+        let Ok(status) = cluster.status().await else { return "no status".into() };
+        let mut out = format!("{} partitions believed; ", self.owned());
+        for r in status.partitions.iter().filter(|r| r.owner == 0 || r.revoking).take(3) {
+            let _ =
+                write!(out, "p{} owner {} token {} revoking {}; ", r.partition, r.owner, r.token, r.revoking);
+        }
+        for (name, w) in &self.workers {
+            let owned = w.owned();
+            for r in status.partitions.iter().filter(|r| r.owner == w.session().0) {
+                if owned.get(&PartitionId(r.partition)) != Some(&FencingToken(r.token)) {
+                    let _ = write!(out, "{name} does not believe p{} token {}; ", r.partition, r.token);
+                }
+            }
+        }
+        out
     }
 
     async fn settled(&self, cluster: &LocalCluster, partitions: u32) -> bool {
