@@ -262,9 +262,17 @@ impl Shared {
         }
     }
 
-    fn released(&self, partition: PartitionId) {
+    /// The grants this worker holds now, for matching a release answer to what it released.
+    fn tokens(&self) -> BTreeMap<PartitionId, FencingToken> {
+        self.held.lock().expect("worker lock poisoned").iter().map(|(p, h)| (*p, h.token)).collect()
+    }
+
+    /// Drops the grant `token` of `partition` after a release. A later grant of the same
+    /// partition, which may have arrived on the stream before the release's answer, is kept.
+    fn released(&self, partition: PartitionId, token: FencingToken) {
         let mut held = self.held.lock().expect("worker lock poisoned");
-        if let Some(h) = held.remove(&partition) {
+        if held.get(&partition).is_some_and(|h| h.token == token) {
+            let h = held.remove(&partition).expect("present");
             self.retire(partition, h.token, false);
             h.cancel.cancel();
             if h.valid_until.is_some() {
@@ -305,7 +313,7 @@ impl Shared {
             Kind::Released => {
                 if current.is_some_and(|(t, _)| t == token) {
                     drop(held);
-                    self.released(partition);
+                    self.released(partition, token);
                 }
             }
             Kind::Unspecified => {}
@@ -605,6 +613,9 @@ impl Worker {
             partitions,
             all,
         };
+        // What is released is what this worker held when it asked, not what it may have been
+        // granted again by the time the answer comes back.
+        let asked = self.shared.tokens();
         let reply = self
             .client
             .call(|mut c| {
@@ -613,7 +624,9 @@ impl Worker {
             })
             .await?;
         for p in reply.released {
-            self.shared.released(PartitionId(p));
+            if let Some(token) = asked.get(&PartitionId(p)) {
+                self.shared.released(PartitionId(p), *token);
+            }
         }
         Ok(())
     }
@@ -622,8 +635,11 @@ impl Worker {
     /// application should have finished or checkpointed its work), then the session ends and the
     /// background tasks stop.
     pub async fn leave(&self) -> Result<(), ClientError> {
+        let asked = self.shared.tokens();
         for p in leave_session(&self.client, self.session, self.secret.clone()).await? {
-            self.shared.released(PartitionId(p));
+            if let Some(token) = asked.get(&PartitionId(p)) {
+                self.shared.released(PartitionId(p), *token);
+            }
         }
         self.left.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.end_session("left".into());
@@ -764,7 +780,7 @@ mod tests {
         let sent = Instant::now();
         s.renewed(sent, &lease(1, 5));
         assert_eq!(assigned(&mut rx), 1);
-        s.released(PartitionId(1));
+        s.released(PartitionId(1), FencingToken(5));
         // The answer to a heartbeat sent before the release arrives after it.
         s.renewed(sent, &lease(1, 5));
         assert_eq!(assigned(&mut rx), 0);
@@ -775,6 +791,20 @@ mod tests {
         // A newer grant of the same partition is believed as usual.
         s.renewed(Instant::now(), &lease(1, 9));
         assert_eq!(assigned(&mut rx), 1);
+    }
+
+    #[test]
+    fn a_late_release_answer_does_not_drop_a_newer_grant() {
+        // Found by the benchmark at 65,536 partitions: the answer to a release of grant 3 came
+        // back after the same partition had been granted to this worker again (grant 18).
+        let (s, mut rx) = shared();
+        s.renewed(Instant::now(), &lease(1, 3));
+        let asked = s.tokens();
+        s.released(PartitionId(1), asked[&PartitionId(1)]);
+        s.renewed(Instant::now(), &lease(1, 18));
+        assert_eq!(assigned(&mut rx), 2);
+        s.released(PartitionId(1), asked[&PartitionId(1)]); // the late answer
+        assert!(s.valid_until(PartitionId(1), FencingToken(18)).is_some());
     }
 
     #[test]
