@@ -56,10 +56,15 @@ struct Table {
 impl Table {
     fn latency(&mut self, what: impl Into<String>, d: Duration) {
         let multiple = format!("{:.1}x", d.as_secs_f64() / self.floor.as_secs_f64());
-        self.rows.push((what.into(), format!("{:.1} ms", ms(d)), multiple));
+        self.push((what.into(), format!("{:.1} ms", ms(d)), multiple));
     }
     fn figure(&mut self, what: impl Into<String>, value: impl Into<String>) {
-        self.rows.push((what.into(), value.into(), String::new()));
+        self.push((what.into(), value.into(), String::new()));
+    }
+    /// Rows are also printed as they come, so a run that fails later keeps what it measured.
+    fn push(&mut self, row: (String, String, String)) {
+        eprintln!("  {}: {} {}", row.0, row.1, row.2);
+        self.rows.push(row);
     }
     fn render(&self) -> String {
         let w = self.rows.iter().map(|r| r.0.len()).max().unwrap_or(10);
@@ -399,7 +404,8 @@ async fn heartbeat_throughput(
     window: Duration,
 ) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let cluster = cluster(dir.path(), partitions, Duration::from_secs(60)).await?;
+    // A long TTL: the sessions do not heartbeat while the others join.
+    let cluster = cluster(dir.path(), partitions, Duration::from_secs(600)).await?;
     let client = Client::new(cluster.addrs())?;
     let join_start = Instant::now();
     // Joins go 32 at a time, as a fleet starting up would; Raft batches them.
@@ -645,7 +651,7 @@ async fn run(quick: bool) -> Result<(String, String)> {
     leader_loss(&mut table).await?;
     eprintln!("leader loss measured");
     let loads: &[(u32, usize)] =
-        if quick { &[(1024, 500)] } else { &[(1024, 1000), (65536, 1000), (1024, 10_000)] };
+        if quick { &[(1024, 500)] } else { &[(1024, 1000), (65536, 1000), (1024, 5000)] };
     for &(p, sessions) in loads {
         heartbeat_throughput(&mut table, p, sessions, Duration::from_secs(5)).await?;
         eprintln!("heartbeats at P={p} with {sessions} sessions measured");
