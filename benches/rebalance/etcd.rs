@@ -57,12 +57,19 @@ impl EtcdCluster {
         }
         let endpoints: Vec<String> = ports.iter().map(|(c, _)| format!("http://127.0.0.1:{c}")).collect();
         let cluster = EtcdCluster { children, endpoints, _dir: dir };
+        // Ready when every member answers on its own.
         let until = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(mut c) = Client::connect(cluster.endpoints.clone(), None).await {
-                if c.put(format!("{PREFIX}ready"), "1", None).await.is_ok() {
-                    return Ok(cluster);
+            let mut ready = 0;
+            for endpoint in &cluster.endpoints {
+                if let Ok(mut c) = Client::connect([endpoint.clone()], None).await {
+                    if c.put(format!("{PREFIX}ready"), "1", None).await.is_ok() {
+                        ready += 1;
+                    }
                 }
+            }
+            if ready == cluster.endpoints.len() {
+                return Ok(cluster);
             }
             if Instant::now() > until {
                 bail!("etcd did not come up");
