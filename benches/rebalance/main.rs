@@ -365,15 +365,7 @@ async fn leader_loss(table: &mut Table) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(2)).await;
     };
     let renewed = loop {
-        let beat = beat.clone();
-        if client
-            .call(|mut c| {
-                let beat = beat.clone();
-                async move { c.heartbeat(beat).await }
-            })
-            .await
-            .is_ok()
-        {
+        if heartbeat(&client, &beat).await {
             break start.elapsed();
         }
     };
@@ -386,6 +378,17 @@ async fn leader_loss(table: &mut Table) -> Result<()> {
     fresh.abandon();
     cluster.shutdown().await;
     Ok(())
+}
+
+/// One heartbeat through the client (following the leader); whether it was acknowledged.
+async fn heartbeat(client: &Client, beat: &proto::HeartbeatRequest) -> bool {
+    client
+        .call(|mut c| {
+            let beat = beat.clone();
+            async move { c.heartbeat(beat).await }
+        })
+        .await
+        .is_ok()
 }
 
 /// This process's CPU time so far (user + system), from /proc.
@@ -433,13 +436,9 @@ async fn heartbeat_throughput(
     let mut single = Vec::new();
     for beat in joined.iter().cycle().take(200) {
         let t = Instant::now();
-        let beat = beat.clone();
-        client
-            .call(|mut c| {
-                let beat = beat.clone();
-                async move { c.heartbeat(beat).await }
-            })
-            .await?;
+        if !heartbeat(&client, beat).await {
+            bail!("a heartbeat of session {} was refused", beat.session_id);
+        }
         single.push(t.elapsed());
     }
     let single = Sample::new(single);
@@ -456,15 +455,7 @@ async fn heartbeat_throughput(
             let mut acked = 0u64;
             let mut i = k;
             while start.elapsed() < window {
-                let beat = joined[i % joined.len()].clone();
-                if client
-                    .call(|mut c| {
-                        let beat = beat.clone();
-                        async move { c.heartbeat(beat).await }
-                    })
-                    .await
-                    .is_ok()
-                {
+                if heartbeat(&client, &joined[i % joined.len()]).await {
                     acked += 1;
                 }
                 i += concurrency;
