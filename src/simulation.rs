@@ -18,9 +18,7 @@
 //! (`crate::nemesis`) runs those for real.
 
 use crate::fence::FenceTable;
-use crate::history::{
-    self, Committed, Decision, Fault, FinalRow, History, StoreRecord, WorkerOp, WorkerRecord,
-};
+use crate::history::{self, Committed, Fault, FinalRow, History, StoreRecord, WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::lease::LeaseTable;
 use crate::ownership::{Command, Event, OwnershipState, Response};
@@ -602,21 +600,7 @@ impl Sim {
         let now = self.instant(self.now);
         self.leases.observe(now, &events);
         for event in &events {
-            let (partition, session, token, decision) = match event {
-                Event::Granted { partition, session, token } => {
-                    (*partition, *session, *token, Decision::Granted)
-                }
-                Event::Revoking { partition, session, token } => {
-                    (*partition, *session, *token, Decision::Revoking)
-                }
-                Event::Released { partition, session, token } => {
-                    (*partition, *session, *token, Decision::Released)
-                }
-                Event::Lost { partition, session, token, .. } => {
-                    (*partition, *session, *token, Decision::Lost)
-                }
-                Event::SessionStarted { .. } | Event::SessionEnded { .. } => continue,
-            };
+            let Some((partition, session, token, decision)) = event.decision() else { continue };
             self.history.coordinator.push(Committed {
                 node: 1,
                 index: self.index,

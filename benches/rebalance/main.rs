@@ -208,7 +208,7 @@ impl Fleet {
         counts.iter().sum::<usize>() == partitions as usize && min.zip(max).is_some_and(|(a, b)| b - a <= 1)
     }
 
-    /// Told and first-write instants of the grants made after `since`, excluding `except`.
+    /// Who was told of each grant made after `since`, when, and when it first wrote.
     fn moves_since(&self, since: Instant) -> Vec<(String, Instant, Option<Instant>)> {
         let observed = self.observed.lock().unwrap();
         observed

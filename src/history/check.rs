@@ -85,7 +85,7 @@ pub fn check(history: &History) -> Report {
     let log = agreed_log(history);
     Report {
         verdicts: vec![
-            replicas_agree(history),
+            replicas_agree(&log.disagreements),
             token_monotonicity(&log.entries),
             one_owner(&log.entries),
             one_believer(history),
@@ -140,10 +140,10 @@ fn agreed_log(history: &History) -> AgreedLog {
     AgreedLog { entries, disagreements }
 }
 
-fn replicas_agree(history: &History) -> Verdict {
+fn replicas_agree(disagreements: &[String]) -> Verdict {
     let mut v = Verdict::new("replicas apply the same decisions at the same index");
-    for d in agreed_log(history).disagreements {
-        v.violation(d);
+    for d in disagreements {
+        v.violation(d.clone());
     }
     v
 }

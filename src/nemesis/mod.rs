@@ -31,10 +31,9 @@ mod workload;
 
 pub use proxy::FaultProxy;
 
-use crate::history::{self, Committed, Decision, Fault, FinalRow, History, Report, StoreRecord};
+use crate::history::{self, Committed, Fault, FinalRow, History, Report, StoreRecord};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::local_cluster::{node_ip, LocalCluster};
-use crate::ownership::Event;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -267,28 +266,14 @@ impl CoordinatorRecorder {
                 let at_ns = clock.now_ns();
                 let mut records = records.lock().expect("recorder lock poisoned");
                 for event in &entry.events {
-                    let (partition, session, token, decision) = match event {
-                        Event::Granted { partition, session, token } => {
-                            (partition, session, token, Decision::Granted)
-                        }
-                        Event::Revoking { partition, session, token } => {
-                            (partition, session, token, Decision::Revoking)
-                        }
-                        Event::Released { partition, session, token } => {
-                            (partition, session, token, Decision::Released)
-                        }
-                        Event::Lost { partition, session, token, .. } => {
-                            (partition, session, token, Decision::Lost)
-                        }
-                        Event::SessionStarted { .. } | Event::SessionEnded { .. } => continue,
-                    };
+                    let Some((partition, session, token, decision)) = event.decision() else { continue };
                     records.push(Committed {
                         node: id,
                         index: entry.index,
                         at_ns,
-                        partition: *partition,
-                        session: *session,
-                        token: *token,
+                        partition,
+                        session,
+                        token,
                         decision,
                     });
                 }
