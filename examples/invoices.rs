@@ -365,6 +365,9 @@ struct Biller {
     /// `None` once the worker froze: its heartbeats stopped with it.
     worker: Option<Worker>,
     events: UnboundedReceiver<WorkerEvent>,
+    /// Where to join again if the coordinator ends the session (say, the machine stalled for
+    /// longer than the TTL), as any long-running application must.
+    coordinators: Vec<String>,
     /// Partitions assigned and not yet lost or released.
     held: Arc<AtomicU64>,
     ledger: Ledger,
@@ -427,7 +430,33 @@ impl Biller {
                 self.held.fetch_sub(1, Ordering::SeqCst);
                 queue.retain(|h| h.partition() != partition)
             }
-            WorkerEvent::SessionEnded { .. } => {}
+            WorkerEvent::SessionEnded { reason } => {
+                // A frozen worker has already dropped its session and hears nothing more; a
+                // live one whose session the coordinator ended joins again under its name.
+                if self.worker.take().is_some() {
+                    eprintln!("{}'s session ended ({reason}); joining again", self.name);
+                    self.rejoin().await;
+                }
+            }
+        }
+    }
+
+    /// Joins again after the coordinator ended the session; the partitions come back through
+    /// the new session's events. Bounded: a worker that cannot join for a minute gives up.
+    async fn rejoin(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            match Worker::join(WorkerConfig::new(self.coordinators.clone(), self.name.clone())).await {
+                Ok(mut worker) => {
+                    self.events = worker.events();
+                    self.worker = Some(worker);
+                    return;
+                }
+                Err(e) => {
+                    eprintln!("{} could not join again: {e}", self.name);
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
         }
     }
 
@@ -580,6 +609,7 @@ async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
         let biller = Biller {
             name,
             events: worker.events(),
+            coordinators: cluster.addrs(),
             held: Arc::new(AtomicU64::new(0)),
             worker: Some(worker),
             ledger: backend.ledger().await?,
