@@ -1,5 +1,6 @@
-//! The nemesis in the test suite: a short seeded run of the real cluster under every kind of
-//! fault must keep every invariant, and a run whose store has the fencing check switched off
+//! The nemesis in the test suite: a short seeded run of three `tenure serve` processes under
+//! every kind of fault (kill -9 and SIGSTOP included) must keep every invariant; so must a run
+//! with the nodes in this process; and a run whose store has the fencing check switched off
 //! must be caught by the checker. `tenure nemesis` runs long ones.
 
 mod common;
@@ -12,12 +13,7 @@ fn seed() -> u64 {
     std::env::var("TENURE_NEMESIS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261202)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_short_run_under_every_kind_of_fault_keeps_every_invariant() {
-    common::init_tracing();
-    let dir = tempfile::tempdir().unwrap();
-    let config = NemesisConfig::new(seed(), Duration::from_secs(30));
-    let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
+fn print_outcome(config: &NemesisConfig, outcome: &nemesis::Outcome) {
     let h = &outcome.history;
     println!(
         "seed {}: faults {:?}; store accepted {}, refused {}; {} worker operations; recovered after {:?} ms",
@@ -28,14 +24,39 @@ async fn a_short_run_under_every_kind_of_fault_keeps_every_invariant() {
         h.workers.len(),
         h.recovered_after_ms
     );
-    for f in &outcome.history.faults {
+    for f in &h.faults {
         println!("  {:>8.2}s {}", f.start_ns as f64 / 1e9, f.what);
     }
     println!("{}", outcome.report);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let mut config = NemesisConfig::new(seed(), Duration::from_secs(40));
+    config.serve_binary = Some(env!("CARGO_BIN_EXE_tenure").into());
+    let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
+    print_outcome(&config, &outcome);
     assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
     assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
     assert!(outcome.writes_accepted > 100, "the workload barely ran: {} writes", outcome.writes_accepted);
     assert_eq!(outcome.faults.len(), FaultKind::ALL.len(), "every kind of fault ran: {:?}", outcome.faults);
+    // The coordinator's record was read back from every node's log on disk.
+    let nodes: std::collections::BTreeSet<u64> = outcome.history.coordinator.iter().map(|c| c.node).collect();
+    assert_eq!(nodes, (1..=config.nodes).collect(), "decisions replayed from every node's log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_process_nodes_under_faults_keep_every_invariant() {
+    common::init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let config = NemesisConfig::new(seed(), Duration::from_secs(20));
+    let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
+    print_outcome(&config, &outcome);
+    assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
+    assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
+    assert!(outcome.history.faults.len() >= 4, "too few faults: {:?}", outcome.faults);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

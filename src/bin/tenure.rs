@@ -82,6 +82,19 @@ struct ServeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long, env = "TENURE_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    /// Raft heartbeat interval in milliseconds (default: a fifth of the election timeout).
+    #[arg(long, env = "TENURE_RAFT_HEARTBEAT_MS")]
+    raft_heartbeat_ms: Option<u64>,
+    /// Build a snapshot after this many applied log entries.
+    #[arg(long, env = "TENURE_SNAPSHOT_AFTER_LOGS", default_value_t = 5000)]
+    snapshot_after_logs: u64,
+    /// Source address for connections to peers (on hosts with several addresses).
+    #[arg(long, env = "TENURE_DIAL_FROM")]
+    dial_from: Option<std::net::IpAddr>,
+    /// Never purge the log, so every decision can be replayed from disk afterwards (audits and
+    /// fault runs; the log grows without bound).
+    #[arg(long)]
+    keep_whole_log: bool,
 }
 
 #[derive(Args)]
@@ -118,7 +131,8 @@ struct NemesisArgs {
     #[arg(long, default_value_t = 1000)]
     lease_ttl_ms: u64,
     /// Fault kinds to draw from, comma separated (default: all): freeze-worker, crash-worker,
-    /// partition-worker, minority-leader, isolate-leader, kill-leader, kill-follower, kill-all.
+    /// partition-worker, minority-leader, isolate-leader, pause-leader, kill-leader,
+    /// kill-follower, kill-all.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
     /// Switch the store's fencing check off (the checker must then report violations).
@@ -127,6 +141,10 @@ struct NemesisArgs {
     /// Write each run's history as JSON into this directory.
     #[arg(long)]
     history_dir: Option<PathBuf>,
+    /// Run the coordinator nodes in this process instead of as `tenure serve` processes
+    /// (no real SIGSTOP or kill -9 then; quicker to start).
+    #[arg(long)]
+    in_process: bool,
 }
 
 #[derive(Args)]
@@ -218,6 +236,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.partition_count = args.partitions;
     config.lease_ttl = Duration::from_millis(args.lease_ttl_ms);
     config.election_timeout = Duration::from_millis(args.election_timeout_ms);
+    config.raft_heartbeat_interval =
+        args.raft_heartbeat_ms.map_or(config.election_timeout / 5, Duration::from_millis);
+    config.snapshot_after_logs = args.snapshot_after_logs;
+    config.dial_from = args.dial_from;
+    config.keep_whole_log = args.keep_whole_log;
     config.validate()?;
     if let Some(addr) = args.metrics_listen {
         metrics_exporter_prometheus::PrometheusBuilder::new()
@@ -316,6 +339,9 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
         config.fencing = !args.no_fencing;
         if !faults.is_empty() {
             config.faults = faults.clone();
+        }
+        if !args.in_process {
+            config.serve_binary = Some(std::env::current_exe().context("locating this binary")?);
         }
         let dir = tempfile::tempdir()?;
         let outcome = tenure::nemesis::run(&config, dir.path()).await?;

@@ -12,9 +12,12 @@
 //! - `crash-worker`: a worker dies (its memory with it) and restarts later as a new session.
 //! - `partition-worker`: a worker loses the coordinators but still reaches storage.
 //! - `minority-leader`: the leader is cut off from the other nodes; workers still reach it.
-//! - `isolate-leader`: the leader is cut off from everyone, as if its process were stopped.
-//! - `kill-leader`, `kill-follower`: a node stops abruptly and restarts on the same data.
-//! - `kill-all`: every node stops at once, then all restart.
+//! - `isolate-leader`: the leader is cut off from everyone.
+//! - `pause-leader`: the leader process is frozen with SIGSTOP and woken with SIGCONT (with
+//!   in-process nodes, emulated by cutting all its links).
+//! - `kill-leader`, `kill-follower`: a node dies abruptly (`kill -9` of its process) and restarts
+//!   on the same data.
+//! - `kill-all`: every node dies at once, then all restart.
 //!
 //! Three streams are recorded on one monotonic clock: every replica's applied decisions, every
 //! worker operation, and the store's decisions in the order it applied them. After the last
@@ -22,18 +25,24 @@
 //! history is checked. Everything is bounded: the fault phase by `fault_time`, each fault by a
 //! few TTLs, the recovery wait by twice the liveness bound.
 //!
-//! Nodes run in this process, so a killed node loses only what was not yet synced, which with
-//! every write synced is nothing; the process-level `tests/sigstop.rs` and `tests/processes.rs`
-//! cover real signals.
+//! The nodes are either `tenure serve` processes ([`NemesisConfig::serve_binary`]), which take
+//! real signals and whose decisions are read back from their RocksDB logs after the run, or
+//! nodes in this process, followed live as they apply entries (quicker to start; a "kill" there
+//! is an abrupt stop). Worker slots always run in this process, each dialling from its own
+//! loopback address; real worker processes under SIGSTOP are in `tests/sigstop.rs`.
 
+mod coordinators;
+mod processes;
 mod proxy;
 mod workload;
 
+pub use processes::{ProcessCluster, ProcessError, ServeSettings};
 pub use proxy::FaultProxy;
 
 use crate::history::{self, Committed, Fault, FinalRow, History, Report, StoreRecord};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::local_cluster::{node_ip, LocalCluster};
+use coordinators::Coordinators;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -53,18 +62,20 @@ pub enum FaultKind {
     PartitionWorker,
     MinorityLeader,
     IsolateLeader,
+    PauseLeader,
     KillLeader,
     KillFollower,
     KillAll,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 8] = [
+    pub const ALL: [FaultKind; 9] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
         FaultKind::MinorityLeader,
         FaultKind::IsolateLeader,
+        FaultKind::PauseLeader,
         FaultKind::KillLeader,
         FaultKind::KillFollower,
         FaultKind::KillAll,
@@ -77,6 +88,7 @@ impl FaultKind {
             FaultKind::PartitionWorker => "partition-worker",
             FaultKind::MinorityLeader => "minority-leader",
             FaultKind::IsolateLeader => "isolate-leader",
+            FaultKind::PauseLeader => "pause-leader",
             FaultKind::KillLeader => "kill-leader",
             FaultKind::KillFollower => "kill-follower",
             FaultKind::KillAll => "kill-all",
@@ -105,6 +117,8 @@ pub struct NemesisConfig {
     pub fencing: bool,
     /// Pause between a worker's rounds of writes.
     pub write_interval: Duration,
+    /// Run the nodes as processes of this `tenure` binary; `None` runs them in this process.
+    pub serve_binary: Option<std::path::PathBuf>,
 }
 
 impl NemesisConfig {
@@ -122,6 +136,7 @@ impl NemesisConfig {
             faults: FaultKind::ALL.to_vec(),
             fencing: true,
             write_interval: Duration::from_millis(20),
+            serve_binary: None,
         }
     }
 
@@ -142,6 +157,12 @@ pub enum NemesisError {
     NoLeader(Duration),
     #[error("worker: {0}")]
     Worker(String),
+    #[error("node process: {0}")]
+    Process(#[from] ProcessError),
+    #[error("restarting node {0}: {1}")]
+    Restart(NodeId, String),
+    #[error("reading node {0}'s log back: {1}")]
+    Replay(NodeId, crate::store::ReplayError),
 }
 
 /// A finished run: the history, its verdicts and a few totals.
@@ -248,7 +269,9 @@ struct CoordinatorRecorder {
 }
 
 impl CoordinatorRecorder {
-    fn follow(&mut self, cluster: &LocalCluster, id: NodeId) {
+    /// Follows node `id` as it applies entries, when it runs in this process.
+    fn follow(&mut self, cluster: &Coordinators, id: NodeId) {
+        let Coordinators::InProcess(cluster) = cluster else { return };
         let Some(node) = cluster.node(id) else { return };
         let mut applied = node.node.sm.subscribe();
         let (clock, records) = (self.clock, self.records.clone());
@@ -298,14 +321,29 @@ impl Drop for CoordinatorRecorder {
 pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisError> {
     let clock = Clock(Instant::now());
     let mut rng = StdRng::seed_from_u64(config.seed);
-    let mut cluster = LocalCluster::start_behind_proxies(config.nodes, dir, |c| {
-        c.partition_count = config.partition_count;
-        c.lease_ttl = config.lease_ttl;
-        c.election_timeout = config.election_timeout;
-        c.raft_heartbeat_interval = config.election_timeout / 6;
-        c.snapshot_after_logs = 200; // so restarts also go through snapshots
-    })
-    .await?;
+    let snapshot_after_logs = 200; // so restarts also go through snapshots
+    let mut cluster = match &config.serve_binary {
+        None => Coordinators::InProcess(
+            LocalCluster::start_behind_proxies(config.nodes, dir, |c| {
+                c.partition_count = config.partition_count;
+                c.lease_ttl = config.lease_ttl;
+                c.election_timeout = config.election_timeout;
+                c.raft_heartbeat_interval = config.election_timeout / 6;
+                c.snapshot_after_logs = snapshot_after_logs;
+            })
+            .await?,
+        ),
+        Some(binary) => {
+            let settings = ServeSettings {
+                binary: binary.clone(),
+                partition_count: config.partition_count,
+                lease_ttl: config.lease_ttl,
+                election_timeout: config.election_timeout,
+                snapshot_after_logs,
+            };
+            Coordinators::Processes(ProcessCluster::start(config.nodes, dir, settings).await?)
+        }
+    };
     let mut recorder = CoordinatorRecorder { clock, records: Default::default(), tasks: Vec::new() };
     for id in cluster.ids() {
         recorder.follow(&cluster, id);
@@ -371,14 +409,15 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
     if recovered_after.is_none() {
-        if let Ok(status) = cluster.status().await {
+        if let Some(status) = cluster.status().await {
             final_table = rows_of(&status);
             final_index = status.last_applied;
         }
     }
     // Let the recorders catch up with the entry the final table was read at.
     let catch_up = Instant::now();
-    while recorder.highest_index() < final_index && catch_up.elapsed() < Duration::from_secs(5) {
+    let following = matches!(cluster, Coordinators::InProcess(_));
+    while following && recorder.highest_index() < final_index && catch_up.elapsed() < Duration::from_secs(5) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let live_sessions: BTreeMap<String, SessionId> =
@@ -391,7 +430,29 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
     }
     let committed = recorder.records.clone();
     drop(recorder); // stops following
-    cluster.shutdown().await;
+    if let Some(processes) = cluster.shutdown().await {
+        // The processes are gone; what they decided is in their logs.
+        let mut records = committed.lock().expect("recorder lock poisoned");
+        for id in processes.ids() {
+            let replayed = crate::store::replay_applied(&processes.data_dir(id))
+                .map_err(|e| NemesisError::Replay(id, e))?;
+            for entry in replayed {
+                for event in &entry.events {
+                    let Some((partition, session, token, decision)) = event.decision() else { continue };
+                    let index = entry.index;
+                    records.push(Committed {
+                        node: id,
+                        index,
+                        at_ns: 0,
+                        partition,
+                        session,
+                        token,
+                        decision,
+                    });
+                }
+            }
+        }
+    }
 
     let mut history = History::new(config.partition_count, config.lease_ttl.as_millis() as u64);
     history.coordinator = committed
@@ -433,8 +494,8 @@ fn rows_of(status: &crate::proto::StatusResponse) -> Vec<FinalRow> {
 
 /// The table and the index it was read at, if it is fully owned by the slots' live sessions,
 /// with nothing being revoked, and each slot believes exactly its rows.
-async fn fully_owned(cluster: &LocalCluster, slots: &[Slot]) -> Option<(Vec<FinalRow>, u64)> {
-    let status = cluster.status().await.ok()?;
+async fn fully_owned(cluster: &Coordinators, slots: &[Slot]) -> Option<(Vec<FinalRow>, u64)> {
+    let status = cluster.status().await?;
     if status.leader_id == 0 || status.partitions.iter().any(|r| r.revoking || r.owner == 0) {
         return None;
     }
@@ -464,7 +525,7 @@ async fn inject(
     kind: FaultKind,
     config: &NemesisConfig,
     rng: &mut StdRng,
-    cluster: &mut LocalCluster,
+    cluster: &mut Coordinators,
     recorder: &mut CoordinatorRecorder,
     slots: &[Slot],
 ) -> Result<String, NemesisError> {
@@ -496,12 +557,20 @@ async fn inject(
             heal_all(cluster);
             Ok(format!("{} {} for {} ms", kind.name(), slots[n].name, cut.as_millis()))
         }
-        FaultKind::MinorityLeader | FaultKind::IsolateLeader => {
+        FaultKind::PauseLeader if matches!(cluster, Coordinators::Processes(_)) => {
+            let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+            let frozen = jitter(rng, config.election_timeout * 4, ttl * 2);
+            cluster.freeze(leader, true);
+            tokio::time::sleep(frozen).await;
+            cluster.freeze(leader, false);
+            Ok(format!("{} node {leader} stopped for {} ms", kind.name(), frozen.as_millis()))
+        }
+        FaultKind::MinorityLeader | FaultKind::IsolateLeader | FaultKind::PauseLeader => {
             let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
             let others: Vec<IpAddr> =
                 cluster.ids().into_iter().filter(|id| *id != leader).map(node_ip).collect();
             let mut cut_from_leader = others.clone();
-            if kind == FaultKind::IsolateLeader {
+            if kind != FaultKind::MinorityLeader {
                 cut_from_leader.extend((0..slots.len()).map(worker_ip));
             }
             cluster.proxy(leader).expect("proxied").block(&cut_from_leader);
@@ -525,12 +594,12 @@ async fn inject(
                 _ => cluster.ids(),
             };
             for id in &victims {
-                cluster.stop(*id).await;
+                cluster.kill(*id).await;
             }
             let down = jitter(rng, Duration::from_millis(200), ttl * 3 / 2);
             tokio::time::sleep(down).await;
             for id in &victims {
-                cluster.restart(*id).await?;
+                cluster.restart(*id).await.map_err(|e| NemesisError::Restart(*id, e))?;
                 recorder.follow(cluster, *id);
             }
             Ok(format!("{} {:?} down for {} ms", kind.name(), victims, down.as_millis()))
@@ -538,7 +607,7 @@ async fn inject(
     }
 }
 
-fn heal_all(cluster: &LocalCluster) {
+fn heal_all(cluster: &Coordinators) {
     for id in cluster.ids() {
         if let Some(proxy) = cluster.proxy(id) {
             proxy.heal();

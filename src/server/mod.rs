@@ -55,6 +55,10 @@ pub struct NodeConfig {
     /// Source address for connections to peers, on hosts with several addresses. `None` lets
     /// the system choose.
     pub dial_from: Option<std::net::IpAddr>,
+    /// Never purge the log, even after a snapshot, so that every decision can be replayed from
+    /// disk afterwards (the fault harness's record of `tenure serve` processes). The log then
+    /// grows without bound: for test and audit runs only.
+    pub keep_whole_log: bool,
 }
 
 impl NodeConfig {
@@ -71,6 +75,7 @@ impl NodeConfig {
             election_timeout: Duration::from_millis(500),
             snapshot_after_logs: 5000,
             dial_from: None,
+            keep_whole_log: false,
         }
     }
 
@@ -214,7 +219,11 @@ fn raft_config(config: &NodeConfig) -> Result<openraft::Config, NodeError> {
         election_timeout_min: ms(config.election_timeout),
         election_timeout_max: ms(config.election_timeout) * 2,
         snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_after_logs),
-        max_in_snapshot_log_to_keep: config.snapshot_after_logs.min(100),
+        max_in_snapshot_log_to_keep: if config.keep_whole_log {
+            u64::MAX
+        } else {
+            config.snapshot_after_logs.min(100)
+        },
         ..Default::default()
     }
     .validate()

@@ -17,8 +17,10 @@
 
 mod db;
 mod log_store;
+mod replay;
 mod state_machine;
 
 pub use db::{open, Db};
 pub use log_store::LogStore;
+pub use replay::{replay_applied, ReplayError, ReplayedEntry};
 pub use state_machine::{AppliedEvent, SharedState, StateMachineStore};

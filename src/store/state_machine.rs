@@ -163,7 +163,7 @@ impl StateMachineStore {
     }
 }
 
-fn load(db: &Db) -> Result<Applied, StorageError> {
+pub(super) fn load(db: &Db) -> Result<Applied, StorageError> {
     let meta = cf(db, CF_SM_META);
     let get = |key: &[u8]| db.get_cf(meta, key).map_err(read_err);
     let config: Option<Config> = match get(KEY_CONFIG)? {

@@ -1,0 +1,95 @@
+//! The coordinator cluster under test, in one of two forms: nodes in this process
+//! ([`LocalCluster`]) or `tenure serve` processes ([`ProcessCluster`]). The nemesis drives both
+//! through this one type, so every fault kind means the same in both; where a form cannot do a
+//! fault for real (an in-process node cannot be SIGSTOPped), the nearest emulation is named.
+
+use super::processes::{ProcessCluster, ProcessError};
+use super::FaultProxy;
+use crate::ids::NodeId;
+use crate::local_cluster::LocalCluster;
+use crate::proto;
+use std::time::Duration;
+
+pub(crate) enum Coordinators {
+    InProcess(LocalCluster),
+    Processes(ProcessCluster),
+}
+
+impl Coordinators {
+    pub(crate) fn ids(&self) -> Vec<NodeId> {
+        match self {
+            Coordinators::InProcess(c) => c.ids(),
+            Coordinators::Processes(c) => c.ids(),
+        }
+    }
+
+    pub(crate) fn addrs(&self) -> Vec<String> {
+        match self {
+            Coordinators::InProcess(c) => c.addrs(),
+            Coordinators::Processes(c) => c.addrs(),
+        }
+    }
+
+    pub(crate) fn proxy(&self, id: NodeId) -> Option<&FaultProxy> {
+        match self {
+            Coordinators::InProcess(c) => c.proxy(id),
+            Coordinators::Processes(c) => c.proxy(id),
+        }
+    }
+
+    pub(crate) async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {
+        match self {
+            Coordinators::InProcess(c) => c.wait_for_leader(timeout).await,
+            Coordinators::Processes(c) => c.wait_for_leader(timeout).await,
+        }
+    }
+
+    pub(crate) async fn status(&self) -> Option<proto::StatusResponse> {
+        match self {
+            Coordinators::InProcess(c) => c.status().await.ok(),
+            Coordinators::Processes(c) => c.status().await,
+        }
+    }
+
+    /// A node dies abruptly: `kill -9` for a process; for an in-process node, a stop (which
+    /// loses nothing that was synced, and every write is).
+    pub(crate) async fn kill(&mut self, id: NodeId) {
+        match self {
+            Coordinators::InProcess(c) => c.stop(id).await,
+            Coordinators::Processes(c) => c.kill(id).await,
+        }
+    }
+
+    pub(crate) async fn restart(&mut self, id: NodeId) -> Result<(), String> {
+        match self {
+            Coordinators::InProcess(c) => c.restart(id).await.map_err(|e| e.to_string()),
+            Coordinators::Processes(c) => c.restart(id).map_err(|e: ProcessError| e.to_string()),
+        }
+    }
+
+    /// Freezes a node process (SIGSTOP) or wakes it (SIGCONT); `false` for an in-process node,
+    /// which cannot be frozen alone (the nemesis then cuts its every link instead, which is
+    /// what peers and workers see of a frozen process, minus the stale timers it wakes with).
+    pub(crate) fn freeze(&self, id: NodeId, freeze: bool) -> bool {
+        match self {
+            Coordinators::Processes(c) => {
+                c.signal_pause(id, freeze);
+                true
+            }
+            Coordinators::InProcess(_) => false,
+        }
+    }
+
+    pub(crate) async fn shutdown(self) -> Option<ProcessCluster> {
+        match self {
+            Coordinators::InProcess(c) => {
+                c.shutdown().await;
+                None
+            }
+            Coordinators::Processes(mut c) => {
+                c.shutdown().await;
+                Some(c)
+            }
+        }
+    }
+}

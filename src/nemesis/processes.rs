@@ -1,0 +1,210 @@
+//! Coordinator nodes as real `tenure serve` processes, each behind a [`FaultProxy`].
+//!
+//! This is the harness's way to inject the faults that only an operating system can: `kill -9`
+//! (the process dies between any two instructions, with whatever RocksDB had not synced) and
+//! SIGSTOP/SIGCONT (the process, leader included, freezes with its timers and sockets and wakes
+//! up believing no time passed). Node `id` listens on, and dials its peers from,
+//! [`node_ip`]`(id)`, and every peer and worker reaches it through its proxy, so links can be
+//! cut one by one as with the in-process cluster.
+//!
+//! No process outlives the harness: children are killed when the cluster is dropped, however
+//! the run ends. Each node's standard error goes to `node-<id>.log` beside its data.
+
+use super::FaultProxy;
+use crate::ids::NodeId;
+use crate::local_cluster::node_ip;
+use crate::proto;
+use crate::worker::Client;
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+use tokio::process::{Child, Command};
+
+/// How the `tenure serve` processes are configured.
+#[derive(Clone, Debug)]
+pub struct ServeSettings {
+    /// The `tenure` binary to run.
+    pub binary: PathBuf,
+    pub partition_count: u32,
+    pub lease_ttl: Duration,
+    pub election_timeout: Duration,
+    pub snapshot_after_logs: u64,
+}
+
+/// Why a process could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    #[error("{what}: {source}")]
+    Io { what: String, source: std::io::Error },
+}
+
+fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProcessError {
+    let what = what.into();
+    move |source| ProcessError::Io { what, source }
+}
+
+/// Nodes `1..=n` as child processes.
+pub struct ProcessCluster {
+    settings: ServeSettings,
+    dir: PathBuf,
+    children: BTreeMap<NodeId, Option<Child>>,
+    /// Where each node listens (its own loopback address, a fixed port).
+    listen: BTreeMap<NodeId, SocketAddr>,
+    /// What peers and workers dial: the proxies.
+    addrs: BTreeMap<NodeId, SocketAddr>,
+    proxies: BTreeMap<NodeId, FaultProxy>,
+}
+
+impl ProcessCluster {
+    /// Starts `n` `tenure serve` processes with their data under `dir`.
+    pub async fn start(n: u64, dir: &Path, settings: ServeSettings) -> Result<ProcessCluster, ProcessError> {
+        let mut cluster = ProcessCluster {
+            settings,
+            dir: dir.to_path_buf(),
+            children: BTreeMap::new(),
+            listen: BTreeMap::new(),
+            addrs: BTreeMap::new(),
+            proxies: BTreeMap::new(),
+        };
+        for id in 1..=n {
+            // A port free on the node's own address; the process binds it a moment later.
+            let probe = std::net::TcpListener::bind((node_ip(id), 0)).map_err(io("choosing a port"))?;
+            let listen = probe.local_addr().map_err(io("choosing a port"))?;
+            drop(probe);
+            let proxy = FaultProxy::start((Ipv4Addr::LOCALHOST, 0).into(), listen)
+                .await
+                .map_err(io("starting a proxy"))?;
+            cluster.addrs.insert(id, proxy.addr());
+            cluster.proxies.insert(id, proxy);
+            cluster.listen.insert(id, listen);
+        }
+        for id in 1..=n {
+            cluster.spawn(id)?;
+        }
+        Ok(cluster)
+    }
+
+    fn spawn(&mut self, id: NodeId) -> Result<(), ProcessError> {
+        let s = &self.settings;
+        let peers: Vec<String> = self.addrs.iter().map(|(id, a)| format!("{id}={a}")).collect();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join(format!("node-{id}.log")))
+            .map_err(io("opening the node's log"))?;
+        let child = Command::new(&s.binary)
+            .arg("serve")
+            .args(["--id", &id.to_string(), "--peers", &peers.join(",")])
+            .args(["--listen", &self.listen[&id].to_string()])
+            .arg("--data-dir")
+            .arg(self.dir.join(format!("node-{id}")))
+            .args(["--partitions", &s.partition_count.to_string()])
+            .args(["--lease-ttl-ms", &s.lease_ttl.as_millis().to_string()])
+            .args(["--election-timeout-ms", &s.election_timeout.as_millis().to_string()])
+            .args(["--raft-heartbeat-ms", &(s.election_timeout / 6).as_millis().to_string()])
+            .args(["--snapshot-after-logs", &s.snapshot_after_logs.to_string()])
+            .args(["--dial-from", &node_ip(id).to_string()])
+            .arg("--keep-whole-log")
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(io(format!("starting {}", s.binary.display())))?;
+        self.children.insert(id, Some(child));
+        Ok(())
+    }
+
+    pub fn ids(&self) -> Vec<NodeId> {
+        self.addrs.keys().copied().collect()
+    }
+
+    pub fn addrs(&self) -> Vec<String> {
+        self.addrs.values().map(|a| a.to_string()).collect()
+    }
+
+    pub fn proxy(&self, id: NodeId) -> Option<&FaultProxy> {
+        self.proxies.get(&id)
+    }
+
+    /// Where node `id` keeps its RocksDB data.
+    pub fn data_dir(&self, id: NodeId) -> PathBuf {
+        self.dir.join(format!("node-{id}"))
+    }
+
+    /// Asks node `id` directly (not through its proxy) for its status.
+    async fn status_of(&self, id: NodeId) -> Option<proto::StatusResponse> {
+        let client = Client::new(vec![self.listen[&id].to_string()]).ok()?;
+        let call = client.call(|mut c| async move { c.status(proto::StatusRequest {}).await });
+        tokio::time::timeout(Duration::from_millis(500), call).await.ok()?.ok()
+    }
+
+    /// The node that the running nodes name as leader, when it also says so itself.
+    pub async fn leader(&self) -> Option<NodeId> {
+        for id in self.ids() {
+            if !self.children.get(&id).is_some_and(Option::is_some) {
+                continue;
+            }
+            if let Some(status) = self.status_of(id).await {
+                if status.leader_id != 0 {
+                    let leader = status.leader_id;
+                    if self.status_of(leader).await.is_some_and(|s| s.leader_id == leader) {
+                        return Some(leader);
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    pub async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {
+        let until = Instant::now() + timeout;
+        while Instant::now() < until {
+            if let Some(id) = self.leader().await {
+                return Some(id);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
+    /// The table as the leader reports it.
+    pub async fn status(&self) -> Option<proto::StatusResponse> {
+        let leader = self.leader().await?;
+        self.status_of(leader).await
+    }
+
+    /// `kill -9`: the process dies at once, mid-write if it was writing.
+    pub async fn kill(&mut self, id: NodeId) {
+        if let Some(mut child) = self.children.get_mut(&id).and_then(Option::take) {
+            let _ = child.kill().await; // SIGKILL, then reaped
+        }
+    }
+
+    /// Starts a killed node again on the same port and data.
+    pub fn restart(&mut self, id: NodeId) -> Result<(), ProcessError> {
+        self.spawn(id)
+    }
+
+    /// SIGSTOP (`pause = true`) or SIGCONT: the process freezes, timers and all, or wakes up.
+    pub fn signal_pause(&self, id: NodeId, pause: bool) {
+        let Some(pid) = self.children.get(&id).and_then(|c| c.as_ref()).and_then(Child::id) else { return };
+        let signal = if pause { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) only sends a signal to our own child, whose pid we hold and have not
+        // reaped, so the pid cannot have been reused by another process.
+        let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
+        if rc != 0 {
+            tracing::warn!(node = id, pause, "could not signal the node process");
+        }
+    }
+
+    /// Kills every process and waits for them.
+    pub async fn shutdown(&mut self) {
+        for id in self.ids() {
+            self.kill(id).await;
+        }
+    }
+}
