@@ -65,25 +65,30 @@ fn a_slow_network_alone_breaks_nothing() {
     }
 }
 
-#[test]
-fn a_lease_counted_from_the_reply_is_caught() {
-    let failed: Vec<Vec<&str>> = (0..100)
+/// The seeds (of 100) whose histories break an invariant when the worker counts its lease from
+/// the reply, with `slow` of the messages held up for 200-800 ms.
+fn caught_with_lease_from_reply(slow: f64) -> Vec<Vec<&'static str>> {
+    (0..100)
         .filter_map(|seed| {
             let mut config = SimConfig::new(seed);
             config.lease_from_reply = true;
-            // Slow replies are what this bug needs to show. (With the default 5% loss and 30%
-            // slow messages no seed of 200 exposed it: the suite's default network is gentle.)
-            config.slow = 0.5;
-            config.loss = 0.0;
+            config.slow = slow;
             let report = simulate(&config).report;
             (!report.passed()).then(|| report.failed())
         })
-        .collect();
-    let believers = failed.iter().filter(|f| f.contains(&"one believer at any instant")).count();
-    assert!(believers >= 10, "only {believers} seeds out of 100 exposed the bug: {failed:?}");
-    // Half the messages slowed to up to 800 ms can also stretch recovery past its bound; nothing
-    // else may break.
-    let allowed =
-        ["one believer at any instant", "every partition owned again within the bound after the faults heal"];
-    assert!(failed.iter().flatten().all(|f| allowed.contains(f)), "{failed:?}");
+        .collect()
+}
+
+#[test]
+fn a_lease_counted_from_the_reply_is_caught() {
+    // The bug needs a reply held up for longer than the margin (a fifth of the TTL) just before
+    // the worker stops renewing (a freeze, a cut); then the worker believes past the expiry it
+    // caused. So the more slow messages, the more seeds show it; the default network (1% slow)
+    // is enough for some. The simulation is deterministic, so these counts are exact.
+    for (slow, at_least) in [(0.01, 3), (0.2, 20)] {
+        let failed = caught_with_lease_from_reply(slow);
+        let believers = failed.iter().filter(|f| f.contains(&"one believer at any instant")).count();
+        assert!(believers >= at_least, "slow {slow}: only {believers} of 100 seeds exposed the bug: {failed:?}");
+        assert!(failed.iter().flatten().all(|f| *f == "one believer at any instant"), "{failed:?}");
+    }
 }
