@@ -88,7 +88,10 @@ fn a_lease_counted_from_the_reply_is_caught() {
     for (slow, at_least) in [(0.01, 3), (0.2, 20)] {
         let failed = caught_with_lease_from_reply(slow);
         let believers = failed.iter().filter(|f| f.contains(&"one believer at any instant")).count();
-        assert!(believers >= at_least, "slow {slow}: only {believers} of 100 seeds exposed the bug: {failed:?}");
+        assert!(
+            believers >= at_least,
+            "slow {slow}: only {believers} of 100 seeds exposed the bug: {failed:?}"
+        );
         assert!(failed.iter().flatten().all(|f| *f == "one believer at any instant"), "{failed:?}");
     }
 }

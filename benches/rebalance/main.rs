@@ -313,6 +313,111 @@ async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Sample, S
     Ok((join_all, leave_all))
 }
 
+/// Planned moves one at a time, the way an operator sees them: worker `b` joins a 16-partition
+/// table that `a` owns (8 partitions move to it), then leaves (they move back). The decision is
+/// the instant the leader applied the entry that revoked the partition (observed on the leader
+/// itself); the new owner is "told" when its library reports the partition assigned, which is
+/// after a heartbeat confirmed the lease, and then it raises the fence and writes once.
+async fn planned_moves(table: &mut Table, rounds: usize) -> Result<Sample> {
+    let partitions = 16;
+    let dir = tempfile::tempdir()?;
+    let cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
+    let leader = cluster.leader().context("no leader")?;
+    let mut applied = cluster.node(leader).context("leader stopped")?.node.applied_events();
+    // When the leader applied each partition's latest revoke.
+    let decided: Arc<Mutex<HashMap<PartitionId, Instant>>> = Default::default();
+    let watcher = {
+        let decided = decided.clone();
+        tokio::spawn(async move {
+            while let Ok(entry) = applied.recv().await {
+                let now = Instant::now();
+                let mut decided = decided.lock().unwrap();
+                for event in &entry.events {
+                    if let tenure::ownership::Event::Revoking { partition, .. } = event {
+                        decided.insert(*partition, now);
+                    }
+                }
+            }
+        })
+    };
+    let store = Arc::new(MemoryFence::default());
+    let (told_tx, mut told_rx) = tokio::sync::mpsc::unbounded_channel();
+    // A worker that releases revoked partitions at once and, told of one, records when, raises
+    // the fence and writes.
+    let start_worker = |name: String| {
+        let (addrs, store, told_tx) = (cluster.addrs(), store.clone(), told_tx.clone());
+        async move {
+            let mut worker = Worker::join(WorkerConfig::new(addrs, name)).await?;
+            let mut events = worker.events();
+            let worker = Arc::new(worker);
+            let me = Arc::downgrade(&worker);
+            tokio::spawn(async move {
+                while let Some(event) = events.recv().await {
+                    let mut revoked = Vec::new();
+                    let mut next = Some(event);
+                    while let Some(event) = next.take() {
+                        match event {
+                            WorkerEvent::Assigned(h) => {
+                                let told = Instant::now();
+                                let wrote = match h.acquire(&*store).await {
+                                    Ok(_) => h.write(&*store, b"k", b"v").await.ok().map(|()| Instant::now()),
+                                    Err(_) => None,
+                                };
+                                let _ = told_tx.send((h.partition(), told, wrote));
+                            }
+                            WorkerEvent::Revoking { partition, .. } => revoked.push(partition),
+                            _ => {}
+                        }
+                        next = events.try_recv().ok();
+                    }
+                    if let (false, Some(me)) = (revoked.is_empty(), me.upgrade()) {
+                        let _ = me.release(&revoked).await;
+                    }
+                }
+            });
+            anyhow::Ok(worker)
+        }
+    };
+    let a = start_worker("a".into()).await?;
+    let mut initial = 0;
+    while initial < partitions {
+        tokio::time::timeout(Duration::from_secs(30), told_rx.recv()).await?.context("a stopped")?;
+        initial += 1;
+    }
+    let (mut told, mut wrote) = (Vec::new(), Vec::new());
+    let mut collect = async |count: usize| -> Result<()> {
+        for _ in 0..count {
+            let (p, t, w) = tokio::time::timeout(Duration::from_secs(30), told_rx.recv())
+                .await?
+                .context("worker stopped")?;
+            let at = *decided.lock().unwrap().get(&p).context("a move without a revoke")?;
+            told.push(t.saturating_duration_since(at));
+            wrote.extend(w.map(|w| w.saturating_duration_since(at)));
+        }
+        Ok(())
+    };
+    for round in 0..rounds {
+        let b = start_worker(format!("b{round}")).await?;
+        collect(partitions as usize / 2).await?; // to b
+        b.leave().await?;
+        collect(partitions as usize / 2).await?; // back to a
+    }
+    let (told, wrote) = (Sample::new(told), Sample::new(wrote));
+    table.figure(
+        "planned moves (P=16: 8 move to a joiner, 8 back when it leaves)",
+        format!("{}", told.0.len()),
+    );
+    table.latency("planned move, decision -> new owner told (lease confirmed) p50", told.pct(0.5));
+    table.latency("planned move, decision -> new owner told (lease confirmed) p99", told.pct(0.99));
+    table.latency("planned move, decision -> new owner told (lease confirmed) max", told.max());
+    table.latency("planned move, decision -> first accepted fenced write p50", wrote.pct(0.5));
+    table.latency("planned move, decision -> first accepted fenced write p99", wrote.pct(0.99));
+    watcher.abort();
+    let _ = a.leave().await;
+    cluster.shutdown().await;
+    Ok(told)
+}
+
 /// A worker stops heartbeating: time until its partitions are owned again (returned: the last).
 async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Sample> {
     let partitions = 256;
@@ -592,6 +697,9 @@ async fn run(quick: bool) -> Result<(String, String)> {
         }
     };
     let mut curves: Vec<(String, Sample)> = Vec::new();
+    let moves = planned_moves(&mut table, if quick { 25 } else { 100 }).await?;
+    curves.push(("tenure, planned move, P=16".into(), moves));
+    eprintln!("planned moves measured");
     let sizes: &[u32] = if quick { &[1024] } else { &[1024, 65536] };
     for &p in sizes {
         let (join, leave) = join_and_leave(&mut table, p).await?;

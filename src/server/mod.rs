@@ -141,6 +141,14 @@ pub struct Node {
 }
 
 impl Node {
+    /// Every entry this node applies from now on, with its events, as it applies them (for
+    /// in-process observers: benchmarks and the fault harness).
+    pub fn applied_events(
+        &self,
+    ) -> tokio::sync::broadcast::Receiver<std::sync::Arc<crate::store::AppliedEvent>> {
+        self.sm.subscribe()
+    }
+
     /// Fails with `NotLeader` (and the leader's address) unless this node leads.
     pub fn ensure_leader(&self) -> Result<(), CoordinatorError> {
         let metrics = self.raft.metrics().borrow().clone();
