@@ -103,7 +103,19 @@ pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<Se
     let lookup =
         |s: SessionId| by_session.binary_search_by_key(&s, |&(sid, _)| sid).ok().map(|k| by_session[k].1);
 
-    let mut holder: Vec<Option<usize>> = current.iter().map(|c| c.and_then(lookup)).collect();
+    // Session ids are small and dense in practice (one per join): a direct table then answers
+    // the million lookups of a large table far faster than a search each.
+    let max_id = by_session.last().map_or(0, |(s, _)| s.0);
+    let mut holder: Vec<Option<usize>> = if max_id as usize <= 4 * (members.len() + current.len()) {
+        let mut slot = vec![u32::MAX; max_id as usize + 1];
+        for &(s, i) in &by_session {
+            slot[s.0 as usize] = i as u32;
+        }
+        let index = |s: SessionId| slot.get(s.0 as usize).filter(|i| **i != u32::MAX).map(|i| *i as usize);
+        current.iter().map(|c| c.and_then(index)).collect()
+    } else {
+        current.iter().map(|c| c.and_then(lookup)).collect()
+    };
     let mut held = vec![0u32; members.len()];
     for h in holder.iter().flatten() {
         held[*h] += 1;
@@ -123,25 +135,30 @@ pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<Se
     ring.batch_add(vnodes.collect());
     let preferred = |p: usize| ring.get(&PartitionKey(p as u32)).map(|v| v.member);
 
-    // Take the excess away from members above quota: partitions the ring would place elsewhere
-    // first, then the highest-numbered ones.
-    let mut excess: Vec<Vec<usize>> = vec![Vec::new(); members.len()];
-    for (p, h) in holder.iter().enumerate() {
-        if let Some(i) = *h {
-            if held[i] > quota[i] {
-                excess[i].push(p);
+    // Take the excess away from members above quota: for each, the partitions the ring would
+    // place elsewhere first, then the ones the ring places with it, each group from the highest
+    // partition down. One scan from the top serves every member and stops as soon as every
+    // excess is found; a join takes one or two partitions from each of thousands of members,
+    // so the scan usually ends early.
+    let mut need: Vec<u32> = held.iter().zip(&quota).map(|(h, q)| h.saturating_sub(*q)).collect();
+    let mut remaining: u64 = need.iter().map(|n| u64::from(*n)).sum();
+    for at_home in [false, true] {
+        for p in (0..holder.len()).rev() {
+            if remaining == 0 {
+                break;
+            }
+            let Some(i) = holder[p] else { continue };
+            // The second pass sees only partitions the ring places with their holder: the
+            // first took every other one from a member that still needed to give.
+            if need[i] > 0 && (at_home || preferred(p) != Some(i)) {
+                holder[p] = None;
+                need[i] -= 1;
+                remaining -= 1;
             }
         }
     }
-    for (i, mut mine) in excess.into_iter().enumerate() {
-        if mine.is_empty() {
-            continue;
-        }
-        mine.sort_by_key(|&p| (preferred(p) == Some(i), std::cmp::Reverse(p)));
-        for &p in mine.iter().take((held[i] - quota[i]) as usize) {
-            holder[p] = None;
-        }
-        held[i] = quota[i];
+    for (h, q) in held.iter_mut().zip(&quota) {
+        *h = (*h).min(*q);
     }
 
     // Hand out the free partitions: preferred member if it has room, else the next member with

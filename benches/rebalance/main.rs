@@ -9,6 +9,7 @@
 //! `<target dir>/tenure-bench/results.md`.
 
 mod etcd;
+mod scale;
 
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
@@ -450,7 +451,7 @@ async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Sample> {
 }
 
 /// The leader stops: time until a new leader, a renewal and a grant are served again.
-async fn leader_loss(table: &mut Table) -> Result<()> {
+async fn leader_loss(table: &mut Table, trials: usize) -> Result<()> {
     let partitions = 256;
     let dir = tempfile::tempdir()?;
     let mut cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
@@ -459,28 +460,39 @@ async fn leader_loss(table: &mut Table) -> Result<()> {
         .call(|mut c| async move { c.join(proto::JoinRequest { name: "probe".into(), weight: 1 }).await })
         .await?;
     let beat = proto::HeartbeatRequest { session_id: joined.session_id, secret: joined.secret.clone() };
-    let leader = cluster.leader().context("no leader")?;
-    let start = Instant::now();
-    cluster.stop(leader).await;
-    let stopped = start.elapsed();
-    let elected = loop {
-        if cluster.leader().is_some() {
-            break start.elapsed();
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    };
-    let renewed = loop {
-        if heartbeat(&client, &beat).await {
-            break start.elapsed();
-        }
-    };
-    let fresh = Worker::join(WorkerConfig::new(cluster.addrs(), "after")).await?;
-    let granted = start.elapsed();
-    table.latency("leader stop: stopping it (graceful shutdown of the node)", stopped);
-    table.latency("leader stop: new leader elected", elected);
-    table.latency("leader stop: first renewal acknowledged", renewed);
-    table.latency("leader stop: first join committed", granted);
-    fresh.abandon();
+    let (mut elected, mut renewed, mut granted) = (Vec::new(), Vec::new(), Vec::new());
+    for trial in 0..trials {
+        // Each trial starts from a cluster that has been quiet under one leader for a while, as
+        // a leader failure would find it.
+        let leader = cluster.wait_for_leader(Duration::from_secs(10)).await.context("no leader")?;
+        while !heartbeat(&client, &beat).await {}
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let start = Instant::now();
+        cluster.stop(leader).await;
+        elected.push(loop {
+            if cluster.leader().is_some() {
+                break start.elapsed();
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        });
+        renewed.push(loop {
+            if heartbeat(&client, &beat).await {
+                break start.elapsed();
+            }
+        });
+        let fresh = Worker::join(WorkerConfig::new(cluster.addrs(), format!("after-{trial}"))).await?;
+        granted.push(start.elapsed());
+        fresh.abandon();
+        cluster.restart(leader).await?;
+    }
+    let (elected, renewed, granted) = (Sample::new(elected), Sample::new(renewed), Sample::new(granted));
+    table.figure("leader stop: trials", trials.to_string());
+    table.latency("leader stop: new leader elected p50", elected.pct(0.5));
+    table.latency("leader stop: new leader elected max", elected.max());
+    table.latency("leader stop: first renewal acknowledged p50", renewed.pct(0.5));
+    table.latency("leader stop: first renewal acknowledged max", renewed.max());
+    table.latency("leader stop: first join committed p50", granted.pct(0.5));
+    table.latency("leader stop: first join committed max", granted.max());
     cluster.shutdown().await;
     Ok(())
 }
@@ -678,7 +690,8 @@ fn ratio(table: &mut Table, what: &str, tenure: Duration, etcd: Duration) {
     );
 }
 
-async fn run(quick: bool) -> Result<(String, String)> {
+async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
+    let want = |section: &str| only.is_none_or(|o| o == section);
     let dir = tempfile::tempdir()?;
     let base = cluster(dir.path(), 1024, Duration::from_secs(5)).await?;
     let floor = commit_floor(&base, if quick { 200 } else { 1000 }).await?;
@@ -688,19 +701,32 @@ async fn run(quick: bool) -> Result<(String, String)> {
     table.latency("one Raft commit (no-op write) p99", floor.pct(0.99));
     eprintln!("commit floor measured");
 
-    let etcd = match etcd::EtcdCluster::start().await {
-        Ok(etcd) => Some(etcd),
-        Err(e) => {
-            eprintln!("etcd baseline skipped: {e:#}");
-            table.figure("etcd baseline", "skipped (etcd not available)");
-            None
+    let etcd_wanted = want("join-leave") || want("crash");
+    let etcd = if !etcd_wanted {
+        None
+    } else {
+        match etcd::EtcdCluster::start().await {
+            Ok(etcd) => Some(etcd),
+            Err(e) => {
+                eprintln!("etcd baseline skipped: {e:#}");
+                table.figure("etcd baseline", "skipped (etcd not available)");
+                None
+            }
         }
     };
     let mut curves: Vec<(String, Sample)> = Vec::new();
-    let moves = planned_moves(&mut table, if quick { 25 } else { 100 }).await?;
-    curves.push(("tenure, planned move, P=16".into(), moves));
-    eprintln!("planned moves measured");
-    let sizes: &[u32] = if quick { &[1024] } else { &[1024, 65536] };
+    if want("planned") {
+        let moves = planned_moves(&mut table, if quick { 25 } else { 100 }).await?;
+        curves.push(("tenure, planned move, P=16".into(), moves));
+        eprintln!("planned moves measured");
+    }
+    let sizes: &[u32] = if !want("join-leave") {
+        &[]
+    } else if quick {
+        &[1024]
+    } else {
+        &[1024, 65536]
+    };
     for &p in sizes {
         let (join, leave) = join_and_leave(&mut table, p).await?;
         eprintln!("P={p} join/leave measured");
@@ -727,7 +753,13 @@ async fn run(quick: bool) -> Result<(String, String)> {
             curves.push((format!("tenure, join 4->5, P={p}"), join));
         }
     }
-    let ttls: &[u64] = if quick { &[1] } else { &[1, 5] };
+    let ttls: &[u64] = if !want("crash") {
+        &[]
+    } else if quick {
+        &[1]
+    } else {
+        &[1, 5]
+    };
     for &ttl in ttls {
         let crash = crash_failover(&mut table, Duration::from_secs(ttl)).await?;
         if let Some(etcd) = &etcd {
@@ -747,13 +779,28 @@ async fn run(quick: bool) -> Result<(String, String)> {
         }
         eprintln!("crash failover at TTL {ttl} s measured");
     }
-    leader_loss(&mut table).await?;
-    eprintln!("leader loss measured");
-    let loads: &[(u32, usize)] =
-        if quick { &[(1024, 500)] } else { &[(1024, 1000), (65536, 1000), (1024, 5000)] };
+    if want("leader") {
+        leader_loss(&mut table, if quick { 5 } else { 20 }).await?;
+        eprintln!("leader loss measured");
+    }
+    let loads: &[(u32, usize)] = if !want("heartbeats") {
+        &[]
+    } else if quick {
+        &[(1024, 500)]
+    } else {
+        &[(1024, 1000), (65536, 1000), (1024, 5000)]
+    };
     for &(p, sessions) in loads {
         heartbeat_throughput(&mut table, p, sessions, Duration::from_secs(5)).await?;
         eprintln!("heartbeats at P={p} with {sessions} sessions measured");
+    }
+    if want("scale") {
+        let sizes: &[(u32, usize)] =
+            if quick { &[(1_000_000, 1000)] } else { &[(1_000_000, 1000), (1_000_000, 10_000)] };
+        for &(p, workers) in sizes {
+            scale::state_machine_scale(&mut table, p, workers)?;
+            eprintln!("state machine at P={p} with {workers} workers measured");
+        }
     }
     Ok((table.render(), cdf_svg(&curves)))
 }
@@ -839,8 +886,10 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let quick = args.iter().any(|a| a == "--quick") || std::env::var_os("TENURE_BENCH_QUICK").is_some();
+    // `--only <section>`: planned, join-leave, crash, leader, heartbeats, scale.
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let (table, svg) = runtime.block_on(run(quick))?;
+    let (table, svg) = runtime.block_on(run(quick, only.as_deref()))?;
     println!("\n{table}");
     let target = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
     let out = std::path::Path::new(&target).join("tenure-bench");

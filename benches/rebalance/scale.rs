@@ -1,0 +1,132 @@
+//! The replicated state machine at scale, without Raft around it: what one replica holds and
+//! does with 1,000,000 partitions and thousands of workers. Every replica applies the same
+//! entries, so these are per-node costs: the table's memory, the snapshot's size, what applying
+//! a join and a release costs (placement and reconcile are O(P) per entry), and what the leader
+//! does per heartbeat (looks up what the session owns in the owner index: independent of P).
+//!
+//! The table is built directly in its balanced end state (placement run once over the whole
+//! membership) rather than by replaying thousands of joins, which at this size would take
+//! longer than the measurements themselves.
+
+use super::{ms, Sample, Table};
+use anyhow::{bail, Result};
+use std::collections::BTreeMap;
+use std::time::Instant;
+use tenure::ids::{FencingToken, SessionId};
+use tenure::ownership::{Command, Config, OwnershipState, PartitionRecord, Response, SessionRecord};
+use tenure::placement::{place, Member};
+
+/// Resident memory of this process, from `/proc/self/statm`.
+fn rss_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.0} MiB", bytes as f64 / (1 << 20) as f64)
+}
+
+/// A balanced table of `partitions` over `workers` sessions, every grant at token 1.
+fn balanced(partitions: u32, workers: usize) -> OwnershipState {
+    let members: Vec<Member> = (1..=workers as u64)
+        .map(|s| Member { session: SessionId(s), name: format!("w{s}"), weight: 1 })
+        .collect();
+    let target = place(&members, &vec![None; partitions as usize]);
+    let rows: Vec<PartitionRecord> = target
+        .into_iter()
+        .map(|owner| PartitionRecord { owner, token: FencingToken(1), revoking: false })
+        .collect();
+    let sessions: BTreeMap<SessionId, SessionRecord> = members
+        .iter()
+        .map(|m| {
+            let record = SessionRecord {
+                name: m.name.clone(),
+                weight: 1,
+                secret: format!("secret-{}", m.session.0),
+                leaving: false,
+            };
+            (m.session, record)
+        })
+        .collect();
+    let config = Config { partition_count: partitions, lease_ttl_ms: 5000 };
+    OwnershipState::from_parts(Some(config), rows, sessions, workers as u64)
+}
+
+fn timed_apply(state: &mut OwnershipState, index: u64, command: Command) -> Result<(Response, f64)> {
+    let t = Instant::now();
+    let (response, _events) = state.apply(index, &command);
+    let took = ms(t.elapsed());
+    if let Response::Rejected(r) = response {
+        bail!("rejected: {r:?}");
+    }
+    Ok((response, took))
+}
+
+pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -> Result<()> {
+    let label = format!("P={partitions}, {workers} workers");
+    let before = rss_bytes();
+    let mut state = balanced(partitions, workers);
+    let after = rss_bytes();
+    if let (Some(b), Some(a)) = (before, after) {
+        table.figure(format!("{label}: resident memory of one replica's table"), mib(a.saturating_sub(b)));
+    }
+    let t = Instant::now();
+    let snapshot = serde_json::to_vec(&state)?;
+    let encode = t.elapsed();
+    table.figure(format!("{label}: snapshot size (JSON)"), mib(snapshot.len() as u64));
+    table.figure(format!("{label}: snapshot encode"), format!("{:.0} ms", ms(encode)));
+    drop(snapshot);
+
+    // One membership change and the releases it causes, at full size.
+    let mut index = 10;
+    let (joined, join_ms) = timed_apply(
+        &mut state,
+        index,
+        Command::Join { name: "newcomer".into(), weight: 1, secret: "s".into() },
+    )?;
+    let Response::Joined { session: newcomer, .. } = joined else { bail!("unexpected answer to a join") };
+    table
+        .figure(format!("{label}: applying one join (placement over the table)"), format!("{join_ms:.1} ms"));
+    let revoked: Vec<_> = state
+        .sessions()
+        .keys()
+        .filter(|s| **s != newcomer)
+        .filter_map(|s| {
+            let mine: Vec<_> =
+                state.owned_by(*s).into_iter().filter(|(_, r)| r.revoking).map(|(p, _)| p).collect();
+            (!mine.is_empty()).then_some((*s, mine))
+        })
+        .collect();
+    let moving: usize = revoked.iter().map(|(_, v)| v.len()).sum();
+    let mut release_ms = Vec::new();
+    for (session, mine) in revoked.into_iter().take(20) {
+        index += 1;
+        let secret = format!("secret-{}", session.0);
+        let (_, took) =
+            timed_apply(&mut state, index, Command::Release { session, secret, partitions: mine })?;
+        release_ms.push(std::time::Duration::from_secs_f64(took / 1000.0));
+    }
+    let release_ms = Sample::new(release_ms);
+    table
+        .figure(format!("{label}: partitions a join moves (balance: P / (workers + 1))"), moving.to_string());
+    table.figure(
+        format!("{label}: applying one release p50 (it places the freed partitions)"),
+        format!("{:.1} ms", ms(release_ms.pct(0.5))),
+    );
+
+    // What the leader does per heartbeat: the session's rows from the owner index.
+    let mut per_beat = Vec::new();
+    for session in state.sessions().keys().take(2000).copied().collect::<Vec<_>>() {
+        let t = Instant::now();
+        let owned = state.owned_by(session);
+        per_beat.push(t.elapsed());
+        std::hint::black_box(owned);
+    }
+    let per_beat = Sample::new(per_beat);
+    table.figure(
+        format!("{label}: finding a session's {} rows per heartbeat p50", partitions as usize / workers),
+        format!("{:.1} us", per_beat.pct(0.5).as_secs_f64() * 1e6),
+    );
+    Ok(())
+}
