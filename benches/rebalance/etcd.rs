@@ -79,6 +79,65 @@ impl EtcdCluster {
     }
 }
 
+impl EtcdCluster {
+    /// The process id of the member that leads now.
+    pub async fn leader_pid(&self) -> Result<u32> {
+        for (i, endpoint) in self.endpoints.iter().enumerate() {
+            let mut c = Client::connect([endpoint.clone()], None).await?;
+            let status = c.status().await?;
+            let me = status.header().map(|h| h.member_id()).unwrap_or(0);
+            if me != 0 && me == status.leader() {
+                return Ok(self.children[i].id());
+            }
+        }
+        bail!("no etcd member says it leads")
+    }
+}
+
+/// `leases` leases, each kept alive on its own stream, `in_flight` keep-alives outstanding at a
+/// time, for `window`: how many keep-alives etcd acknowledged.
+pub async fn keepalive_load(
+    endpoints: &[String],
+    leases: usize,
+    in_flight: usize,
+    window: Duration,
+) -> Result<u64> {
+    let mut client = Client::connect(endpoints.to_vec(), None).await?;
+    let mut streams = Vec::with_capacity(leases);
+    for _ in 0..leases {
+        let id = client.lease_grant(600, None).await?.id();
+        streams.push(client.lease_keep_alive(id).await?);
+    }
+    let mut groups: Vec<Vec<_>> = (0..in_flight).map(|_| Vec::new()).collect();
+    for (i, s) in streams.into_iter().enumerate() {
+        groups[i % in_flight].push(s);
+    }
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for mut group in groups.into_iter().filter(|g| !g.is_empty()) {
+        tasks.push(tokio::spawn(async move {
+            let mut acked = 0u64;
+            'run: while start.elapsed() < window {
+                for (keeper, stream) in group.iter_mut() {
+                    if keeper.keep_alive().await.is_err() || !matches!(stream.message().await, Ok(Some(_))) {
+                        break 'run;
+                    }
+                    acked += 1;
+                    if start.elapsed() >= window {
+                        break 'run;
+                    }
+                }
+            }
+            acked
+        }));
+    }
+    let mut acked = 0;
+    for t in tasks {
+        acked += t.await?;
+    }
+    Ok(acked)
+}
+
 impl Drop for EtcdCluster {
     fn drop(&mut self) {
         for c in &mut self.children {

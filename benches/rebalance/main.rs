@@ -510,10 +510,103 @@ async fn heartbeat(client: &Client, beat: &proto::HeartbeatRequest) -> bool {
 
 /// This process's CPU time so far (user + system), from /proc.
 fn cpu_time() -> Option<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    process_cpu_time("self")
+}
+
+/// CPU time (user and system) a process has used so far, from `/proc/<pid>/stat`.
+fn process_cpu_time(pid: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
     Some(Duration::from_millis(ticks * 10)) // USER_HZ is 100 on Linux
+}
+
+/// Leader CPU per renewal, the figure that decides how many workers one coordinator can keep:
+/// tenure's session heartbeats against three `tenure serve` processes and etcd's lease
+/// keep-alives against its three members, the same number of sessions and requests in flight,
+/// each leader's CPU read from `/proc` around the load.
+async fn renewal_cpu(
+    table: &mut Table,
+    sessions: usize,
+    window: Duration,
+    etcd: Option<&etcd::EtcdCluster>,
+) -> Result<()> {
+    use tenure::nemesis::{ProcessCluster, ServeSettings};
+    let in_flight = 256;
+    let dir = tempfile::tempdir()?;
+    let settings = ServeSettings {
+        binary: env!("CARGO_BIN_EXE_tenure").into(),
+        partition_count: 1024,
+        lease_ttl: Duration::from_secs(600),
+        election_timeout: Duration::from_millis(300),
+        snapshot_after_logs: 5000,
+    };
+    let mut cluster = ProcessCluster::start(3, dir.path(), settings).await?;
+    let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.context("no leader")?;
+    let pid = cluster.pid(leader).context("leader not running")?.to_string();
+    let client = Client::new(cluster.addrs())?;
+    let mut beats = Vec::with_capacity(sessions);
+    for n in 0..sessions {
+        let name = format!("s{n}");
+        let r = client
+            .call(|mut c| {
+                let name = name.clone();
+                async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
+            })
+            .await?;
+        beats.push(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret });
+    }
+    let beats = Arc::new(beats);
+    let before = process_cpu_time(&pid);
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for k in 0..in_flight {
+        let (client, beats) = (client.clone(), beats.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut acked, mut i) = (0u64, k);
+            while start.elapsed() < window {
+                if heartbeat(&client, &beats[i % beats.len()]).await {
+                    acked += 1;
+                }
+                i += in_flight;
+            }
+            acked
+        }));
+    }
+    let mut acked = 0;
+    for t in tasks {
+        acked += t.await?;
+    }
+    let elapsed = start.elapsed();
+    let cpu = before.zip(process_cpu_time(&pid)).map(|(a, b)| b.saturating_sub(a));
+    cluster.shutdown().await;
+    let Some(cpu) = cpu else { bail!("cannot read the leader's CPU time") };
+    let tenure_us = cpu.as_secs_f64() * 1e6 / acked.max(1) as f64;
+    table.figure(
+        format!("{sessions} sessions on serve processes: heartbeats acknowledged per second"),
+        format!("{:.0}", acked as f64 / elapsed.as_secs_f64()),
+    );
+    table.figure(
+        format!("{sessions} sessions: leader CPU per heartbeat (tenure)"),
+        format!("{tenure_us:.1} us"),
+    );
+
+    let Some(etcd) = etcd else { return Ok(()) };
+    let pid = etcd.leader_pid().await?.to_string();
+    let before = process_cpu_time(&pid);
+    let start = Instant::now();
+    let acked = etcd::keepalive_load(&etcd.endpoints, sessions, in_flight, window).await?;
+    let elapsed = start.elapsed();
+    let cpu = before.zip(process_cpu_time(&pid)).map(|(a, b)| b.saturating_sub(a));
+    let Some(cpu) = cpu else { bail!("cannot read etcd's CPU time") };
+    let etcd_us = cpu.as_secs_f64() * 1e6 / acked.max(1) as f64;
+    table.figure(
+        format!("etcd, {sessions} leases: keep-alives acknowledged per second"),
+        format!("{:.0}", acked as f64 / elapsed.as_secs_f64()),
+    );
+    table.figure(format!("etcd, {sessions} leases: leader CPU per keep-alive"), format!("{etcd_us:.1} us"));
+    table.figure("ratio etcd / tenure: leader CPU per renewal", format!("{:.1}x", etcd_us / tenure_us));
+    Ok(())
 }
 
 /// Many sessions heartbeating from this process: renewals per second the leader acknowledges.
@@ -701,7 +794,7 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     table.latency("one Raft commit (no-op write) p99", floor.pct(0.99));
     eprintln!("commit floor measured");
 
-    let etcd_wanted = want("join-leave") || want("crash");
+    let etcd_wanted = want("join-leave") || want("crash") || want("renewal-cpu");
     let etcd = if !etcd_wanted {
         None
     } else {
@@ -793,6 +886,10 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     for &(p, sessions) in loads {
         heartbeat_throughput(&mut table, p, sessions, Duration::from_secs(5)).await?;
         eprintln!("heartbeats at P={p} with {sessions} sessions measured");
+    }
+    if want("renewal-cpu") {
+        renewal_cpu(&mut table, 1000, Duration::from_secs(if quick { 5 } else { 10 }), etcd.as_ref()).await?;
+        eprintln!("leader CPU per renewal measured");
     }
     if want("scale") {
         let sizes: &[(u32, usize)] =
@@ -886,7 +983,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let quick = args.iter().any(|a| a == "--quick") || std::env::var_os("TENURE_BENCH_QUICK").is_some();
-    // `--only <section>`: planned, join-leave, crash, leader, heartbeats, scale.
+    // `--only <section>`: planned, join-leave, crash, leader, heartbeats, renewal-cpu, scale.
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let (table, svg) = runtime.block_on(run(quick, only.as_deref()))?;

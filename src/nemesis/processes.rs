@@ -130,6 +130,11 @@ impl ProcessCluster {
         self.proxies.get(&id)
     }
 
+    /// The process id of node `id`, while it runs.
+    pub fn pid(&self, id: NodeId) -> Option<u32> {
+        self.children.get(&id).and_then(|c| c.as_ref()).and_then(Child::id)
+    }
+
     /// Where node `id` keeps its RocksDB data.
     pub fn data_dir(&self, id: NodeId) -> PathBuf {
         self.dir.join(format!("node-{id}"))
