@@ -431,6 +431,9 @@ async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<Sample> {
     fleet.settle(&cluster, partitions).await?;
     let victim = fleet.workers.remove("w4").context("w4")?;
     let lost = victim.owned().len();
+    // Crash at a random point of the worker's heartbeat period (a quarter TTL), not right after
+    // the renewal that let the table settle, which would always leave the full TTL to run.
+    tokio::time::sleep((ttl / 4).mul_f64(rand::random_range(0.0..1.0))).await;
     let start = Instant::now();
     Arc::into_inner(victim).context("the fleet holds the only handle")?.abandon();
     fleet.settle(&cluster, partitions).await?;
@@ -762,6 +765,8 @@ async fn etcd_crash(table: &mut Table, etcd: &etcd::EtcdCluster, ttl_s: i64) -> 
     etcd::settle(eps, partitions, &["w1", "w2", "w3", "w4"], Duration::from_secs(120)).await?;
     let victim = workers.pop().context("w4")?;
     let granted = victim.granted_ttl;
+    // At a random point of its keep-alive period (a third of the granted TTL), as for tenure.
+    tokio::time::sleep(Duration::from_secs(granted as u64).mul_f64(rand::random_range(0.0..1.0) / 3.0)).await;
     let start = Instant::now();
     victim.crash();
     etcd::settle(eps, partitions, &["w1", "w2", "w3"], Duration::from_secs(120)).await?;
