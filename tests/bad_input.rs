@@ -32,6 +32,16 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
         client.heartbeat(proto::HeartbeatRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "wrong_secret"));
 
+    // On the heartbeat stream, a refusal is the stream's end, with the same status.
+    let requests = tokio_stream::iter([proto::HeartbeatRequest { session_id, secret: "not-it".into() }]);
+    let mut answers = client.heartbeats(requests).await.unwrap().into_inner();
+    let err = answers.message().await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "wrong_secret"));
+    let requests = tokio_stream::iter([proto::HeartbeatRequest { session_id: 999, secret: "x".into() }]);
+    let mut answers = client.heartbeats(requests).await.unwrap().into_inner();
+    let err = answers.message().await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_session"));
+
     let err = client.leave(proto::LeaveRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
     assert_eq!(kind(&err), "wrong_secret");
 

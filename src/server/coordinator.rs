@@ -36,15 +36,6 @@ fn new_secret() -> String {
 }
 
 impl CoordinatorService {
-    fn ttl_ms(&self) -> u64 {
-        let applied = self.node.state.read().expect("state lock poisoned");
-        applied
-            .state
-            .config()
-            .map(|c| c.lease_ttl_ms)
-            .unwrap_or(self.node.config.lease_ttl.as_millis() as u64)
-    }
-
     fn event_for(&self, kind: Kind, partition: PartitionId, token: u64, index: u64) -> proto::OwnershipEvent {
         let applied = self.node.state.read().expect("state lock poisoned");
         let range = applied.state.keyspace().and_then(|k| k.range(partition));
@@ -78,6 +69,48 @@ fn route_of(state: &crate::ownership::OwnershipState, p: PartitionId) -> proto::
 }
 
 type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::OwnershipEvent, Status>> + Send>>;
+type HeartbeatsStream = Pin<Box<dyn Stream<Item = Result<proto::HeartbeatResponse, Status>> + Send>>;
+
+/// One renewal of a session's leases, received at `received`: answered only after a quorum
+/// round that started after it arrived (batched with the others), by the leader's lease table.
+async fn renew(
+    node: &Node,
+    req: proto::HeartbeatRequest,
+    received: Instant,
+) -> Result<proto::HeartbeatResponse, Status> {
+    check_secret(&req.secret)?;
+    node.ensure_leader()?;
+    let session = SessionId(req.session_id);
+    {
+        let applied = node.state.read().expect("state lock poisoned");
+        applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
+    }
+    // A lease that already ran out is refused here, without spending a quorum round on it.
+    if let Some(table) = node.leases.lock().expect("lease lock poisoned").as_ref() {
+        if !table.renewable(session, received) {
+            return Err(CoordinatorError::SessionExpired(session).into());
+        }
+    }
+    let (reply, answer) = oneshot::channel();
+    let pending = PendingRenewal { session, secret: req.secret, received, reply };
+    node.renewals
+        .send(pending)
+        .await
+        .map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))?;
+    let renewed =
+        answer.await.map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))??;
+    let ttl_ms = {
+        let applied = node.state.read().expect("state lock poisoned");
+        applied.state.config().map(|c| c.lease_ttl_ms).unwrap_or(node.config.lease_ttl.as_millis() as u64)
+    };
+    Ok(proto::HeartbeatResponse {
+        renewed: renewed
+            .into_iter()
+            .map(|(partition, token)| proto::PartitionLease { partition, token })
+            .collect(),
+        lease_ttl_ms: ttl_ms,
+    })
+}
 
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
@@ -112,36 +145,39 @@ impl Coordinator for CoordinatorService {
         req: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
         let received = Instant::now();
-        let req = req.into_inner();
-        check_secret(&req.secret)?;
+        Ok(Response::new(renew(&self.node, req.into_inner(), received).await?))
+    }
+
+    type HeartbeatsStream = HeartbeatsStream;
+
+    async fn heartbeats(
+        &self,
+        req: Request<tonic::Streaming<proto::HeartbeatRequest>>,
+    ) -> Result<Response<HeartbeatsStream>, Status> {
         self.node.ensure_leader()?;
-        let session = SessionId(req.session_id);
-        {
-            let applied = self.node.state.read().expect("state lock poisoned");
-            applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
-        }
-        // A lease that already ran out is refused here, without spending a quorum round on it.
-        if let Some(table) = self.node.leases.lock().expect("lease lock poisoned").as_ref() {
-            if !table.renewable(session, received) {
-                return Err(CoordinatorError::SessionExpired(session).into());
+        let mut inbound = req.into_inner();
+        // One answer in flight per stream: a worker sends its next heartbeat after the answer.
+        let (tx, rx) = mpsc::channel(1);
+        let node = self.node.clone();
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    next = inbound.message() => next,
+                    _ = tx.closed() => return,
+                    _ = node.stopping.cancelled() => return,
+                };
+                let request = match next {
+                    Ok(Some(request)) => request,
+                    Ok(None) | Err(_) => return, // the worker closed it, or the link broke
+                };
+                let answer = renew(&node, request, Instant::now()).await;
+                let refused = answer.is_err();
+                if tx.send(answer).await.is_err() || refused {
+                    return;
+                }
             }
-        }
-        let (reply, answer) = oneshot::channel();
-        let pending = PendingRenewal { session, secret: req.secret, received, reply };
-        self.node
-            .renewals
-            .send(pending)
-            .await
-            .map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))?;
-        let renewed =
-            answer.await.map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))??;
-        Ok(Response::new(proto::HeartbeatResponse {
-            renewed: renewed
-                .into_iter()
-                .map(|(partition, token)| proto::PartitionLease { partition, token })
-                .collect(),
-            lease_ttl_ms: self.ttl_ms(),
-        }))
+        });
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))))
     }
 
     async fn release(

@@ -51,7 +51,7 @@ impl ClientError {
         )
     }
 
-    fn from_status(status: &tonic::Status) -> ClientError {
+    pub(crate) fn from_status(status: &tonic::Status) -> ClientError {
         let kind = status.metadata().get(ERROR_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
         let msg = status.message().to_string();
         match kind {

@@ -173,6 +173,41 @@ struct Retired {
     may_return: bool,
 }
 
+/// The worker's end of a `Heartbeats` stream to the leader.
+struct HeartbeatStream {
+    requests: mpsc::Sender<proto::HeartbeatRequest>,
+    answers: tonic::Streaming<proto::HeartbeatResponse>,
+}
+
+impl HeartbeatStream {
+    /// Opens a stream on the leader, following redirects like any call.
+    async fn open(client: &Client) -> Result<HeartbeatStream, ClientError> {
+        client
+            .call(|mut c| async move {
+                let (requests, outgoing) = mpsc::channel(1);
+                let answers = c.heartbeats(tokio_stream::wrappers::ReceiverStream::new(outgoing)).await?;
+                Ok(answers.map(|answers| HeartbeatStream { requests, answers }))
+            })
+            .await
+    }
+
+    /// Sends one heartbeat and waits for its answer.
+    async fn beat(
+        &mut self,
+        request: proto::HeartbeatRequest,
+    ) -> Result<proto::HeartbeatResponse, ClientError> {
+        self.requests
+            .send(request)
+            .await
+            .map_err(|_| ClientError::Unavailable("heartbeat stream closed".into()))?;
+        match self.answers.message().await {
+            Ok(Some(answer)) => Ok(answer),
+            Ok(None) => Err(ClientError::Unavailable("heartbeat stream ended".into())),
+            Err(status) => Err(ClientError::from_status(&status)),
+        }
+    }
+}
+
 pub(crate) struct Shared {
     held: Mutex<BTreeMap<PartitionId, Held>>,
     /// The last grant of each partition this worker stopped holding, so that a renewal answer
@@ -647,20 +682,33 @@ impl Worker {
         Ok(())
     }
 
+    /// Renews the session every `every` (or at once when the stream names a new grant), over one
+    /// long-lived stream to the leader, one heartbeat outstanding at a time. Each answer extends
+    /// the leases from the instant its heartbeat was sent. A stream that fails, ends, or leaves a
+    /// heartbeat unanswered for half a TTL is dropped and opened again (to whichever node now
+    /// leads); meanwhile the deadline task lets leases run out.
     fn heartbeat_loop(&self, every: Duration) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
         let request = proto::HeartbeatRequest { session_id: self.session.0, secret: self.secret.clone() };
+        let patience = shared.ttl / 2;
         async move {
+            let mut stream: Option<HeartbeatStream> = None;
             loop {
                 let sent = Instant::now();
-                let result = client.call(|mut c| {
-                    let request = request.clone();
-                    async move { c.heartbeat(request).await }
-                });
+                let beat = async {
+                    if stream.is_none() {
+                        stream = Some(HeartbeatStream::open(&client).await?);
+                    }
+                    let open = stream.as_mut().expect("opened above");
+                    match tokio::time::timeout(patience, open.beat(request.clone())).await {
+                        Ok(answer) => answer,
+                        Err(_) => Err(ClientError::Unavailable("heartbeat unanswered for half a TTL".into())),
+                    }
+                };
                 let result = tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
-                    r = result => r,
+                    r = beat => r,
                 };
                 match result {
                     Ok(reply) => shared.renewed(sent, &reply.renewed),
@@ -668,7 +716,10 @@ impl Worker {
                         shared.end_session(e.to_string());
                         return;
                     }
-                    Err(e) => tracing::warn!(error = %e, "heartbeat failed"),
+                    Err(e) => {
+                        stream = None;
+                        tracing::warn!(error = %e, "heartbeat failed");
+                    }
                 }
                 tokio::select! {
                     _ = cancel.cancelled() => return,
