@@ -11,6 +11,9 @@
 mod etcd;
 mod scale;
 
+#[global_allocator]
+static ALLOCATOR: scale::Counting = scale::Counting;
+
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use std::collections::{BTreeMap, HashMap};
@@ -909,7 +912,7 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     } else if quick {
         &[(1024, 500)]
     } else {
-        &[(1024, 1000), (65536, 1000), (1024, 5000)]
+        &[(1024, 1000), (65536, 1000), (1024, 5000), (1024, 10_000)]
     };
     for &(p, sessions) in loads {
         heartbeat_throughput(&mut table, p, sessions, Duration::from_secs(5)).await?;

@@ -10,17 +10,39 @@
 
 use super::{ms, Sample, Table};
 use anyhow::{bail, Result};
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 use tenure::ids::{FencingToken, SessionId};
 use tenure::ownership::{Command, Config, OwnershipState, PartitionRecord, Response, SessionRecord};
 use tenure::placement::{place, Member};
 
-/// Resident memory of this process, from `/proc/self/statm`.
-fn rss_bytes() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
+/// The system allocator, counting the bytes currently allocated, so the table's memory is
+/// measured exactly rather than read from the process's resident size (which earlier sections
+/// of the run have already grown and the allocator reuses).
+pub struct Counting;
+
+static LIVE_BYTES: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded unchanged to the system allocator, under the caller's contract.
+        let p = unsafe { System.alloc(layout) };
+        if !p.is_null() {
+            LIVE_BYTES.fetch_add(layout.size(), Ordering::Relaxed);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above; `ptr` came from `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) };
+        LIVE_BYTES.fetch_sub(layout.size(), Ordering::Relaxed);
+    }
+}
+
+fn live_bytes() -> u64 {
+    LIVE_BYTES.load(Ordering::Relaxed) as u64
 }
 
 fn mib(bytes: u64) -> String {
@@ -65,12 +87,10 @@ fn timed_apply(state: &mut OwnershipState, index: u64, command: Command) -> Resu
 
 pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -> Result<()> {
     let label = format!("P={partitions}, {workers} workers");
-    let before = rss_bytes();
+    let before = live_bytes();
     let mut state = balanced(partitions, workers);
-    let after = rss_bytes();
-    if let (Some(b), Some(a)) = (before, after) {
-        table.figure(format!("{label}: resident memory of one replica's table"), mib(a.saturating_sub(b)));
-    }
+    let after = live_bytes();
+    table.figure(format!("{label}: heap held by one replica's table"), mib(after.saturating_sub(before)));
     let t = Instant::now();
     let snapshot = serde_json::to_vec(&state)?;
     let encode = t.elapsed();
