@@ -97,6 +97,46 @@ struct Fleet {
     store: Arc<MemoryFence>,
 }
 
+/// A worker that releases revoked partitions at once (one call per batch of revokes) and, told
+/// of a partition, raises its fence and writes once; `told` hears of every grant with when it
+/// was told and when its first write was accepted.
+async fn bench_worker(
+    addrs: Vec<String>,
+    name: String,
+    store: Arc<MemoryFence>,
+    told: impl Fn(PartitionId, FencingToken, Instant, Option<Instant>) + Send + 'static,
+) -> Result<Arc<Worker>> {
+    let mut worker = Worker::join(WorkerConfig::new(addrs, name)).await?;
+    let mut events = worker.events();
+    let worker = Arc::new(worker);
+    let me = Arc::downgrade(&worker);
+    tokio::spawn(async move {
+        while let Some(event) = events.recv().await {
+            let mut revoked = Vec::new();
+            let mut next = Some(event);
+            while let Some(event) = next.take() {
+                match event {
+                    WorkerEvent::Assigned(h) => {
+                        let at = Instant::now();
+                        let wrote = match h.acquire(&*store).await {
+                            Ok(_) => h.write(&*store, b"k", b"v").await.ok().map(|()| Instant::now()),
+                            Err(_) => None,
+                        };
+                        told(h.partition(), h.token(), at, wrote);
+                    }
+                    WorkerEvent::Revoking { partition, .. } => revoked.push(partition),
+                    _ => {}
+                }
+                next = events.try_recv().ok();
+            }
+            if let (false, Some(me)) = (revoked.is_empty(), me.upgrade()) {
+                let _ = me.release(&revoked).await; // one call for the whole batch
+            }
+        }
+    });
+    Ok(worker)
+}
+
 impl Fleet {
     fn new(cluster: &LocalCluster) -> Fleet {
         Fleet {
@@ -108,43 +148,20 @@ impl Fleet {
     }
 
     async fn join(&mut self, name: &str) -> Result<()> {
-        let mut worker = Worker::join(WorkerConfig::new(self.addrs.clone(), name)).await?;
-        let mut events = worker.events();
-        let worker = Arc::new(worker);
-        let (observed, store, me, who) =
-            (self.observed.clone(), self.store.clone(), Arc::downgrade(&worker), name.to_string());
-        tokio::spawn(async move {
-            while let Some(event) = events.recv().await {
-                let mut revoked = Vec::new();
-                let mut next = Some(event);
-                while let Some(event) = next.take() {
-                    match event {
-                        WorkerEvent::Assigned(h) => {
-                            let told = Instant::now();
-                            observed
-                                .lock()
-                                .unwrap()
-                                .told
-                                .insert((h.partition(), h.token()), (who.clone(), told));
-                            if h.acquire(&*store).await.is_ok() && h.write(&*store, b"k", b"v").await.is_ok()
-                            {
-                                observed
-                                    .lock()
-                                    .unwrap()
-                                    .wrote
-                                    .insert((h.partition(), h.token()), Instant::now());
-                            }
-                        }
-                        WorkerEvent::Revoking { partition, .. } => revoked.push(partition),
-                        _ => {}
-                    }
-                    next = events.try_recv().ok();
+        let (observed, who) = (self.observed.clone(), name.to_string());
+        let worker = bench_worker(
+            self.addrs.clone(),
+            who.clone(),
+            self.store.clone(),
+            move |p, token, told, wrote| {
+                let mut observed = observed.lock().unwrap();
+                observed.told.insert((p, token), (who.clone(), told));
+                if let Some(wrote) = wrote {
+                    observed.wrote.insert((p, token), wrote);
                 }
-                if let (false, Some(me)) = (revoked.is_empty(), me.upgrade()) {
-                    let _ = me.release(&revoked).await; // one call for the whole batch
-                }
-            }
-        });
+            },
+        )
+        .await?;
         self.workers.insert(name.to_string(), worker);
         Ok(())
     }
@@ -154,7 +171,8 @@ impl Fleet {
     }
 
     /// Waits until the leader's table is fully owned, nothing is being revoked, owned counts are
-    /// balanced within one, and every worker believes exactly its rows.
+    /// balanced within one, every worker believes exactly its rows, and its handler has been told
+    /// of each.
     async fn settle(&self, cluster: &LocalCluster, partitions: u32) -> Result<()> {
         let until = Instant::now() + Duration::from_secs(300);
         loop {
@@ -206,6 +224,13 @@ impl Fleet {
             if w.owned() != rows {
                 return false;
             }
+            // The application, not only the library, has heard of every grant: its handler
+            // may still be working through a long queue of them.
+            let observed = self.observed.lock().unwrap();
+            if rows.iter().any(|(p, t)| !observed.told.contains_key(&(*p, *t))) {
+                return false;
+            }
+            drop(observed);
             counts.push(rows.len());
         }
         let (min, max) = (counts.iter().min(), counts.iter().max());
@@ -346,41 +371,11 @@ async fn planned_moves(table: &mut Table, rounds: usize) -> Result<Sample> {
     };
     let store = Arc::new(MemoryFence::default());
     let (told_tx, mut told_rx) = tokio::sync::mpsc::unbounded_channel();
-    // A worker that releases revoked partitions at once and, told of one, records when, raises
-    // the fence and writes.
     let start_worker = |name: String| {
-        let (addrs, store, told_tx) = (cluster.addrs(), store.clone(), told_tx.clone());
-        async move {
-            let mut worker = Worker::join(WorkerConfig::new(addrs, name)).await?;
-            let mut events = worker.events();
-            let worker = Arc::new(worker);
-            let me = Arc::downgrade(&worker);
-            tokio::spawn(async move {
-                while let Some(event) = events.recv().await {
-                    let mut revoked = Vec::new();
-                    let mut next = Some(event);
-                    while let Some(event) = next.take() {
-                        match event {
-                            WorkerEvent::Assigned(h) => {
-                                let told = Instant::now();
-                                let wrote = match h.acquire(&*store).await {
-                                    Ok(_) => h.write(&*store, b"k", b"v").await.ok().map(|()| Instant::now()),
-                                    Err(_) => None,
-                                };
-                                let _ = told_tx.send((h.partition(), told, wrote));
-                            }
-                            WorkerEvent::Revoking { partition, .. } => revoked.push(partition),
-                            _ => {}
-                        }
-                        next = events.try_recv().ok();
-                    }
-                    if let (false, Some(me)) = (revoked.is_empty(), me.upgrade()) {
-                        let _ = me.release(&revoked).await;
-                    }
-                }
-            });
-            anyhow::Ok(worker)
-        }
+        let told_tx = told_tx.clone();
+        bench_worker(cluster.addrs(), name, store.clone(), move |p, _, told, wrote| {
+            let _ = told_tx.send((p, told, wrote));
+        })
     };
     let a = start_worker("a".into()).await?;
     let mut initial = 0;
