@@ -114,6 +114,11 @@ impl LocalCluster {
         self.addrs[&id]
     }
 
+    /// Where node `id` keeps its RocksDB data.
+    pub fn data_dir(&self, id: NodeId) -> Option<PathBuf> {
+        self.configs.get(&id).map(|c| c.data_dir.clone())
+    }
+
     pub fn node(&self, id: NodeId) -> Option<&RunningNode> {
         self.nodes.get(&id).and_then(|n| n.as_ref())
     }
