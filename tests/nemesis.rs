@@ -8,6 +8,10 @@ mod common;
 use std::time::Duration;
 use tenure::nemesis::{self, FaultKind, NemesisConfig};
 
+/// One run at a time: each starts a cluster and several workers with 1 s leases, and the
+/// liveness verdict should measure the system, not two runs starving each other of CPU.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// The seed comes from `TENURE_NEMESIS_SEED` when set, so a failing run can be replayed.
 fn seed() -> u64 {
     std::env::var("TENURE_NEMESIS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261202)
@@ -33,6 +37,7 @@ fn print_outcome(config: &NemesisConfig, outcome: &nemesis::Outcome) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
     common::init_tracing();
+    let _turn = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let mut config = NemesisConfig::new(seed(), Duration::from_secs(40));
     config.serve_binary = Some(env!("CARGO_BIN_EXE_tenure").into());
@@ -50,6 +55,7 @@ async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn in_process_nodes_under_faults_keep_every_invariant() {
     common::init_tracing();
+    let _turn = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let config = NemesisConfig::new(seed(), Duration::from_secs(20));
     let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
@@ -62,6 +68,7 @@ async fn in_process_nodes_under_faults_keep_every_invariant() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_store_without_the_fencing_check_is_caught() {
     common::init_tracing();
+    let _turn = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let mut config = NemesisConfig::new(seed(), Duration::from_secs(2));
     config.faults = vec![FaultKind::FreezeWorker];
