@@ -34,13 +34,13 @@ pub struct Member {
 }
 
 #[derive(Clone, Debug)]
-struct VNode {
+struct VNode<'a> {
     member: usize,
-    name: String,
+    name: &'a str,
     replica: u32,
 }
 
-impl Hash for VNode {
+impl Hash for VNode<'_> {
     fn hash<H: Hasher>(&self, state: &mut H) {
         state.write(self.name.as_bytes());
         state.write(&self.replica.to_le_bytes());
@@ -121,14 +121,20 @@ pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<Se
         held[*h] += 1;
     }
     let quota = quotas(members, &held, partitions);
+    // Every partition held and nobody above quota: everyone is exactly at quota (the quotas sum
+    // to P) and nothing moves, so the ring (its build is most of the cost with thousands of
+    // members) is not needed.
+    if holder.iter().all(Option::is_some) && held.iter().zip(&quota).all(|(h, q)| h <= q) {
+        return holder.into_iter().map(|h| h.map(|i| members[i].session)).collect();
+    }
 
     // One sort for the whole ring: `add` sorts after every node, which made building the ring
     // quadratic in the number of members (a join among 10,000 workers took seconds).
-    let mut ring: HashRing<VNode, Xxh64Builder> = HashRing::with_hasher(Xxh64Builder::new(0));
+    let mut ring: HashRing<VNode<'_>, Xxh64Builder> = HashRing::with_hasher(Xxh64Builder::new(0));
     let vnodes = members.iter().enumerate().flat_map(|(i, m)| {
         (0..weight_of(m) * VNODES_PER_WEIGHT).map(move |replica| VNode {
             member: i,
-            name: m.name.clone(),
+            name: m.name.as_str(),
             replica,
         })
     });
