@@ -160,10 +160,23 @@ impl LocalCluster {
 
     /// Restarts a stopped node on the same address and data directory.
     pub async fn restart(&mut self, id: NodeId) -> Result<(), server::NodeError> {
-        let listener = bind_again(self.listen[&id]).await?;
-        let running = server::start(self.configs[&id].clone(), listener).await?;
-        self.nodes.insert(id, Some(running));
-        Ok(())
+        // In one process, the stopped node's last background work (a snapshot being built, a
+        // stream being torn down) can hold its database a moment longer than `stop`; a process
+        // that died would have released it. Bounded: ten seconds.
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let listener = bind_again(self.listen[&id]).await?;
+            match server::start(self.configs[&id].clone(), listener).await {
+                Ok(running) => {
+                    self.nodes.insert(id, Some(running));
+                    return Ok(());
+                }
+                Err(server::NodeError::Storage(e)) if e.contains("lock") && Instant::now() < until => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     pub async fn shutdown(mut self) {
