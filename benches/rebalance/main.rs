@@ -580,6 +580,30 @@ fn process_cpu_time(pid: &str) -> Option<Duration> {
     Some(Duration::from_millis(ticks * 10)) // USER_HZ is 100 on Linux
 }
 
+/// `sessions` sessions named `s0`, `s1`, ..., joined 32 at a time, as a fleet starting up
+/// would (Raft batches them); what each needs to heartbeat.
+async fn join_sessions(client: &Client, sessions: usize) -> Result<Vec<proto::HeartbeatRequest>> {
+    futures::stream::iter(0..sessions)
+        .map(|n| {
+            let client = client.clone();
+            async move {
+                let name = format!("s{n}");
+                let r = client
+                    .call(|mut c| {
+                        let name = name.clone();
+                        async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
+                    })
+                    .await?;
+                Ok::<_, anyhow::Error>(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret })
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect()
+}
+
 /// Leader CPU per renewal, the figure that decides how many workers one coordinator can keep:
 /// tenure's session heartbeats against three `tenure serve` processes and etcd's lease
 /// keep-alives against its three members, the same number of sessions and requests in flight,
@@ -604,17 +628,7 @@ async fn renewal_cpu(
     let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.context("no leader")?;
     let pid = cluster.pid(leader).context("leader not running")?.to_string();
     let client = Client::new(cluster.addrs())?;
-    let mut beats = Vec::with_capacity(sessions);
-    for n in 0..sessions {
-        let name = format!("s{n}");
-        let r = client
-            .call(|mut c| {
-                let name = name.clone();
-                async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
-            })
-            .await?;
-        beats.push(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret });
-    }
+    let beats = join_sessions(&client, sessions).await?;
     let groups = open_streams(&client, &beats, in_flight).await?;
     let before = process_cpu_time(&pid);
     let start = Instant::now();
@@ -663,26 +677,7 @@ async fn heartbeat_throughput(
     let cluster = cluster(dir.path(), partitions, Duration::from_secs(600)).await?;
     let client = Client::new(cluster.addrs())?;
     let join_start = Instant::now();
-    // Joins go 32 at a time, as a fleet starting up would; Raft batches them.
-    let joined: Vec<proto::HeartbeatRequest> = futures::stream::iter(0..sessions)
-        .map(|n| {
-            let client = client.clone();
-            async move {
-                let name = format!("s{n}");
-                let r = client
-                    .call(|mut c| {
-                        let name = name.clone();
-                        async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
-                    })
-                    .await?;
-                Ok::<_, anyhow::Error>(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret })
-            }
-        })
-        .buffer_unordered(32)
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<_>>()?;
+    let joined = join_sessions(&client, sessions).await?;
     let join_time = join_start.elapsed();
     // One at a time first: the latency of a renewal (a quorum round and the table lookup).
     let mut single = Vec::new();
