@@ -108,3 +108,33 @@ async fn a_purged_log_is_reported_not_half_replayed() {
         other => panic!("expected a purged log, got {:?}", other.map(|h| h.len())),
     }
 }
+
+/// Deletes log entry `index` from a stopped node's database, as a damaged disk might lose it.
+async fn delete_entry(dir: &std::path::Path, index: u64) {
+    let until = std::time::Instant::now() + PATIENCE;
+    let db = loop {
+        match tenure::store::open(dir) {
+            Ok(db) => break db,
+            Err(e) if std::time::Instant::now() < until => {
+                tracing::debug!(error = %e, "database still held");
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("cannot open {}: {e}", dir.display()),
+        }
+    };
+    let log = db.cf_handle("log").expect("the log column family");
+    assert!(db.get_cf(&log, index.to_be_bytes()).unwrap().is_some(), "entry {index} was there");
+    db.delete_cf(&log, index.to_be_bytes()).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_with_a_hole_or_without_its_first_entry_is_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = some_history(dir.path(), true, 1000).await;
+    let (first, middle) = (c.data_dir(1).expect("node 1"), c.data_dir(2).expect("node 2"));
+    c.shutdown().await;
+    delete_entry(&first, 0).await;
+    delete_entry(&middle, 3).await;
+    assert!(matches!(replay(&first).await, Err(ReplayError::Missing(0))), "a log without its first entry");
+    assert!(matches!(replay(&middle).await, Err(ReplayError::Missing(3))), "a log with a hole at 3");
+}

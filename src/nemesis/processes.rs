@@ -147,22 +147,22 @@ impl ProcessCluster {
         tokio::time::timeout(Duration::from_millis(500), call).await.ok()?.ok()
     }
 
-    /// The node that the running nodes name as leader, when it also says so itself.
+    /// The node that a majority of the cluster names as leader, when it also says so itself. A
+    /// leader that was frozen and has just woken still names itself until it hears of the newer
+    /// term, so one node's word is not enough.
     pub async fn leader(&self) -> Option<NodeId> {
+        let mut named: BTreeMap<NodeId, usize> = BTreeMap::new();
         for id in self.ids() {
             if !self.children.get(&id).is_some_and(Option::is_some) {
                 continue;
             }
-            if let Some(status) = self.status_of(id).await {
-                if status.leader_id != 0 {
-                    let leader = status.leader_id;
-                    if self.status_of(leader).await.is_some_and(|s| s.leader_id == leader) {
-                        return Some(leader);
-                    }
-                }
+            if let Some(status) = self.status_of(id).await.filter(|s| s.leader_id != 0) {
+                *named.entry(status.leader_id).or_default() += 1;
             }
         }
-        None
+        let majority = self.addrs.len() / 2 + 1;
+        let (&leader, _) = named.iter().find(|(_, votes)| **votes >= majority)?;
+        self.status_of(leader).await.is_some_and(|s| s.leader_id == leader).then_some(leader)
     }
 
     pub async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {

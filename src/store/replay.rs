@@ -61,7 +61,8 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
 
     let mut state = OwnershipState::default();
     let mut replayed = Vec::new();
-    let mut expected: Option<u64> = None;
+    // Nothing was purged, so the log starts at index 0 (the first membership entry).
+    let mut expected = 0u64;
     let from = 0u64.to_be_bytes();
     let iter =
         db.iterator_cf(cf(&db, CF_LOG), rocksdb::IteratorMode::From(&from, rocksdb::Direction::Forward));
@@ -72,10 +73,10 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
         if index > last_applied.index {
             break; // not known to be committed
         }
-        if let Some(expected) = expected.filter(|e| *e != index) {
+        if index != expected {
             return Err(ReplayError::Missing(expected));
         }
-        expected = Some(index + 1);
+        expected = index + 1;
         if let EntryPayload::Normal(command) = &entry.payload {
             let (_, events) = state.apply(index, command);
             if !events.is_empty() {
@@ -83,8 +84,8 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
             }
         }
     }
-    if expected != Some(last_applied.index + 1) {
-        return Err(ReplayError::Missing(expected.unwrap_or(0)));
+    if expected != last_applied.index + 1 {
+        return Err(ReplayError::Missing(expected));
     }
     let persisted = super::state_machine::load(&db).map_err(|e| ReplayError::Decode {
         what: "the persisted table".into(),

@@ -174,23 +174,66 @@ impl Client {
                 Ok(reply) => return Ok(reply.into_inner()),
                 Err(status) => status,
             };
-            let leader =
-                status.metadata().get(LEADER_METADATA).and_then(|v| v.to_str().ok()).map(str::to_string);
-            use tonic::Code;
-            let retry = matches!(
-                status.code(),
-                Code::Unavailable | Code::Cancelled | Code::Unknown | Code::DeadlineExceeded
-            );
-            if !retry {
-                return Err(ClientError::from_status(&status));
-            }
-            let redirected = leader.as_deref().is_some_and(|l| l != addr);
-            self.follow(leader, &addr);
+            let redirected = self.judge(&status, &addr)?;
             match delays.next() {
                 Some(_) if redirected => continue,
                 Some(delay) => tokio::time::sleep(delay).await,
                 None => return Err(ClientError::Unavailable(status.message().to_string())),
             }
         }
+    }
+
+    /// Like [`Client::call`], but never sleeps: it follows redirects and moves past nodes that
+    /// cannot serve, visiting each known node about once, and returns the address that answered.
+    /// For callers that pace their own retries against a deadline, such as heartbeats.
+    pub(crate) async fn call_without_waiting<T, F, Fut>(&self, mut f: F) -> Result<(String, T), ClientError>
+    where
+        F: FnMut(CoordinatorClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let hops = 2 * self.inner.lock().expect("client lock poisoned").addrs.len() + 1;
+        let mut last = String::from("no coordinator address");
+        for _ in 0..hops {
+            let (addr, channel) = self.channel()?;
+            match f(CoordinatorClient::new(channel)).await {
+                Ok(reply) => return Ok((addr, reply.into_inner())),
+                Err(status) => {
+                    self.judge(&status, &addr)?;
+                    last = format!("{addr}: {}", status.message());
+                }
+            }
+        }
+        Err(ClientError::Unavailable(last))
+    }
+
+    /// Sorts a failed call: an error to hand back (`Err`), or a node to move away from, toward the
+    /// leader it named if it named one (`Ok(true)` when that is a different node).
+    pub(crate) fn judge(&self, status: &tonic::Status, addr: &str) -> Result<bool, ClientError> {
+        use tonic::Code;
+        let retry = matches!(
+            status.code(),
+            Code::Unavailable | Code::Cancelled | Code::Unknown | Code::DeadlineExceeded
+        );
+        if !retry {
+            return Err(ClientError::from_status(status));
+        }
+        let leader = status.metadata().get(LEADER_METADATA).and_then(|v| v.to_str().ok()).map(str::to_string);
+        let redirected = leader.as_deref().is_some_and(|l| l != addr);
+        self.follow(leader, addr);
+        Ok(redirected)
+    }
+
+    /// Moves away from the node the next call would try, which stopped answering.
+    pub(crate) fn avoid_current(&self) {
+        let current = {
+            let inner = self.inner.lock().expect("client lock poisoned");
+            inner.addrs[inner.current % inner.addrs.len()].clone()
+        };
+        self.follow(None, &current);
+    }
+
+    /// Moves away from `addr`, which stopped answering; the next call tries another node.
+    pub(crate) fn avoid(&self, addr: &str) {
+        self.follow(None, addr);
     }
 }

@@ -46,6 +46,9 @@ use tokio::sync::{mpsc, Notify};
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
+/// The first pause after a failed heartbeat or stream; pauses double from here.
+const RETRY_FIRST: Duration = Duration::from_millis(20);
+
 /// How a worker joins and how cautious it is. [`WorkerConfig::new`] sets weight 1 and leaves the
 /// timings to their defaults, which follow the cluster's lease TTL.
 ///
@@ -175,25 +178,31 @@ struct Retired {
 
 /// The worker's end of a `Heartbeats` stream to the leader.
 struct HeartbeatStream {
+    /// The node that took the stream: avoided next time if it stops answering.
+    addr: String,
     requests: mpsc::Sender<proto::HeartbeatRequest>,
     answers: tonic::Streaming<proto::HeartbeatResponse>,
 }
 
 impl HeartbeatStream {
-    /// Opens a stream on the leader, following redirects like any call.
+    /// Opens a stream on the leader, following redirects but never waiting: the heartbeat loop
+    /// paces its own retries against the lease deadline.
     async fn open(client: &Client) -> Result<HeartbeatStream, ClientError> {
-        client
-            .call(|mut c| async move {
+        let (addr, (requests, answers)) = client
+            .call_without_waiting(|mut c| async move {
                 let (requests, outgoing) = mpsc::channel(1);
                 let answers = c.heartbeats(tokio_stream::wrappers::ReceiverStream::new(outgoing)).await?;
-                Ok(answers.map(|answers| HeartbeatStream { requests, answers }))
+                Ok(answers.map(|answers| (requests, answers)))
             })
-            .await
+            .await?;
+        Ok(HeartbeatStream { addr, requests, answers })
     }
 
-    /// Sends one heartbeat and waits for its answer.
+    /// Sends one heartbeat and waits for its answer. A refusal that names another leader points
+    /// the client there.
     async fn beat(
         &mut self,
+        client: &Client,
         request: proto::HeartbeatRequest,
     ) -> Result<proto::HeartbeatResponse, ClientError> {
         self.requests
@@ -203,7 +212,10 @@ impl HeartbeatStream {
         match self.answers.message().await {
             Ok(Some(answer)) => Ok(answer),
             Ok(None) => Err(ClientError::Unavailable("heartbeat stream ended".into())),
-            Err(status) => Err(ClientError::from_status(&status)),
+            Err(status) => match client.judge(&status, &self.addr) {
+                Ok(_) => Err(ClientError::Unavailable(status.message().to_string())),
+                Err(e) => Err(e),
+            },
         }
     }
 }
@@ -220,6 +232,8 @@ pub(crate) struct Shared {
     ttl: Duration,
     margin: Duration,
     kick: Notify,
+    /// Raised by the heartbeat loop after it recovered from a failure: reopen the ownership stream.
+    moved: Notify,
     session_over: CancellationToken,
 }
 
@@ -579,6 +593,7 @@ impl Worker {
             ttl,
             margin: config.safety_margin.unwrap_or(ttl / 5),
             kick: Notify::new(),
+            moved: Notify::new(),
             session_over: cancel.child_token(),
         });
         let worker = Worker {
@@ -687,44 +702,66 @@ impl Worker {
     /// the leases from the instant its heartbeat was sent. A stream that fails, ends, or leaves a
     /// heartbeat unanswered for half a TTL is dropped and opened again (to whichever node now
     /// leads); meanwhile the deadline task lets leases run out.
+    /// Renews the session every `every`. One attempt (finding the leader, opening the stream if
+    /// there is none, one heartbeat and its answer) is bounded by half a TTL; a failed attempt is
+    /// retried soon, backing off from 20 ms up to `every`, and a node that let an attempt time out
+    /// is avoided next time. So a frozen or dead leader costs at most one bounded attempt, and the
+    /// worker reaches a new leader well within the TTL that leader starts every lease with.
     fn heartbeat_loop(&self, every: Duration) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
         let request = proto::HeartbeatRequest { session_id: self.session.0, secret: self.secret.clone() };
         let patience = shared.ttl / 2;
         async move {
             let mut stream: Option<HeartbeatStream> = None;
+            let mut retry = RETRY_FIRST.min(every);
+            let mut failed_since_renewal = false;
             loop {
                 let sent = Instant::now();
-                let beat = async {
+                let attempt = async {
                     if stream.is_none() {
                         stream = Some(HeartbeatStream::open(&client).await?);
                     }
-                    let open = stream.as_mut().expect("opened above");
-                    match tokio::time::timeout(patience, open.beat(request.clone())).await {
-                        Ok(answer) => answer,
-                        Err(_) => Err(ClientError::Unavailable("heartbeat unanswered for half a TTL".into())),
-                    }
+                    stream.as_mut().expect("opened above").beat(&client, request.clone()).await
                 };
                 let result = tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
-                    r = beat => r,
+                    r = tokio::time::timeout(patience, attempt) => r,
                 };
-                match result {
-                    Ok(reply) => shared.renewed(sent, &reply.renewed),
+                let outcome = result.unwrap_or_else(|_| {
+                    match &stream {
+                        Some(s) => client.avoid(&s.addr),
+                        None => client.avoid_current(),
+                    }
+                    Err(ClientError::Unavailable(format!("no heartbeat answer within {patience:?}")))
+                });
+                let pause = match outcome {
+                    Ok(reply) => {
+                        shared.renewed(sent, &reply.renewed);
+                        if std::mem::take(&mut failed_since_renewal) {
+                            // The ownership stream may be stuck on the node that failed us too.
+                            shared.moved.notify_one();
+                        }
+                        retry = RETRY_FIRST.min(every);
+                        every
+                    }
                     Err(e) if e.is_session_gone() => {
                         shared.end_session(e.to_string());
                         return;
                     }
                     Err(e) => {
-                        stream = None;
                         tracing::warn!(error = %e, "heartbeat failed");
+                        stream = None;
+                        failed_since_renewal = true;
+                        let pause = retry;
+                        retry = (retry * 2).min(every);
+                        pause
                     }
-                }
+                };
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
-                    _ = tokio::time::sleep(every) => {}
+                    _ = tokio::time::sleep(pause) => {}
                     _ = shared.kick.notified() => {}
                 }
             }
@@ -735,25 +772,34 @@ impl Worker {
         let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
         let request = proto::WatchRequest { session_id: self.session.0, secret: self.secret.clone() };
         async move {
-            let mut pause = Duration::from_millis(20);
+            let (patience, most) =
+                (shared.ttl / 2, (shared.ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));
+            let mut pause = RETRY_FIRST;
             loop {
-                let opened = client.call(|mut c| {
+                let opened = client.call_without_waiting(|mut c| {
                     let request = request.clone();
                     async move { c.watch(request).await }
                 });
                 let stream = tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
-                    s = opened => s,
+                    s = tokio::time::timeout(patience, opened) => s.unwrap_or_else(|_| {
+                        client.avoid_current();
+                        Err(ClientError::Unavailable(format!("no ownership stream within {patience:?}")))
+                    }),
                 };
                 match stream {
-                    Ok(mut stream) => {
-                        pause = Duration::from_millis(20);
+                    Ok((_, mut stream)) => {
+                        pause = RETRY_FIRST;
                         loop {
                             let next = tokio::select! {
                                 _ = cancel.cancelled() => return,
                                 _ = shared.session_over.cancelled() => return,
                                 n = stream.next() => n,
+                                _ = shared.moved.notified() => {
+                                    tracing::debug!("heartbeats moved; reopening the ownership stream");
+                                    break;
+                                }
                             };
                             match next {
                                 Some(Ok(event)) => shared.streamed(&event),
@@ -772,7 +818,7 @@ impl Worker {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}
                 }
-                pause = (pause * 2).min(Duration::from_secs(1));
+                pause = (pause * 2).min(most);
             }
         }
     }
@@ -812,6 +858,7 @@ mod tests {
             ttl: Duration::from_secs(1),
             margin: Duration::from_millis(200),
             kick: Notify::new(),
+            moved: Notify::new(),
             session_over: CancellationToken::new(),
         });
         (shared, rx)

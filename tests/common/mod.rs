@@ -19,7 +19,8 @@ pub fn fast(c: &mut NodeConfig) {
     c.partition_count = 24;
     c.lease_ttl = TTL;
     c.election_timeout = Duration::from_millis(300);
-    c.raft_heartbeat_interval = Duration::from_millis(50);
+    // openraft gives each append this long to answer; much shorter is fragile on a loaded 2-core box.
+    c.raft_heartbeat_interval = Duration::from_millis(100);
     c.expiry_check_interval = Duration::from_millis(20);
 }
 
