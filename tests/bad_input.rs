@@ -96,6 +96,41 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     c.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let c = tenure::local_cluster::LocalCluster::start(3, dir.path(), |cfg| {
+        fast(cfg);
+        cfg.max_streams = 3;
+    })
+    .await
+    .unwrap();
+    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let w = worker(&c, "w1").await; // its ownership stream and its heartbeat stream: two
+    let before = settled(&c, 1).await;
+    let leader = c.leader().unwrap();
+    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let third = client.routes(proto::RoutesRequest {}).await.expect("the third stream");
+    let session_id = w.session().0;
+    let beats = || tokio_stream::iter([proto::HeartbeatRequest { session_id, secret: "x".into() }]);
+    let err = client.heartbeats(beats()).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_streams"));
+    let err = client.routes(proto::RoutesRequest {}).await.unwrap_err();
+    assert_eq!(kind(&err), "too_many_streams");
+    drop(third);
+    let mut answers = eventually("the closed stream's place is free again", || {
+        let mut client = client.clone();
+        async move { client.heartbeats(beats()).await.ok() }
+    })
+    .await
+    .into_inner();
+    let err = answers.message().await.unwrap_err();
+    assert_eq!(kind(&err), "wrong_secret", "the new stream is served");
+    assert_eq!(tokens(&c.status().await.unwrap()), tokens(&before), "the worker kept everything");
+    c.shutdown().await;
+}
+
 #[test]
 fn bad_node_configurations_are_refused() {
     let peers = |ids: &[u64]| ids.iter().map(|i| (*i, format!("127.0.0.1:{}", 7000 + i))).collect();
@@ -126,6 +161,14 @@ fn bad_node_configurations_are_refused() {
                 c
             },
             "election timeout",
+        ),
+        (
+            {
+                let mut c = NodeConfig::new(1, peers(&[1]), dir.clone());
+                c.max_streams = 0;
+                c
+            },
+            "stream limit",
         ),
     ];
     for (config, needle) in cases {

@@ -95,6 +95,9 @@ struct ServeArgs {
     /// fault runs; the log grows without bound).
     #[arg(long)]
     keep_whole_log: bool,
+    /// Most ownership, heartbeat and route streams served at once; more are refused.
+    #[arg(long, env = "TENURE_MAX_STREAMS", default_value_t = 100_000)]
+    max_streams: usize,
 }
 
 #[derive(Args)]
@@ -241,6 +244,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.snapshot_after_logs = args.snapshot_after_logs;
     config.dial_from = args.dial_from;
     config.keep_whole_log = args.keep_whole_log;
+    config.max_streams = args.max_streams;
     config.validate()?;
     if let Some(addr) = args.metrics_listen {
         metrics_exporter_prometheus::PrometheusBuilder::new()

@@ -112,6 +112,21 @@ async fn renew(
     })
 }
 
+/// Reads the next heartbeat of a stream and renews it; `None` when the worker closed the stream.
+/// A message that cannot be read is answered with an error, which ends the stream.
+async fn next_renewal(
+    node: &Node,
+    inbound: &mut tonic::Streaming<proto::HeartbeatRequest>,
+) -> Option<Result<proto::HeartbeatResponse, Status>> {
+    match inbound.message().await {
+        Ok(Some(request)) => Some(renew(node, request, Instant::now()).await),
+        Ok(None) => None,
+        Err(status) => {
+            Some(Err(Status::invalid_argument(format!("unreadable heartbeat: {}", status.message()))))
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
     async fn join(&self, req: Request<proto::JoinRequest>) -> Result<Response<proto::JoinResponse>, Status> {
@@ -155,24 +170,33 @@ impl Coordinator for CoordinatorService {
         req: Request<tonic::Streaming<proto::HeartbeatRequest>>,
     ) -> Result<Response<HeartbeatsStream>, Status> {
         self.node.ensure_leader()?;
+        let permit = self.node.stream_permit()?;
         let mut inbound = req.into_inner();
         // One answer in flight per stream: a worker sends its next heartbeat after the answer.
         let (tx, rx) = mpsc::channel(1);
         let node = self.node.clone();
         tokio::spawn(async move {
+            let _permit = permit;
+            // Every wait also watches for the node stopping and the worker hanging up, so the
+            // task (and the node it holds) never outlives either.
             loop {
-                let next = tokio::select! {
-                    next = inbound.message() => next,
+                let answer = tokio::select! {
                     _ = tx.closed() => return,
-                    _ = node.stopping.cancelled() => return,
+                    _ = node.stopping.cancelled() => {
+                        let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
+                        return;
+                    }
+                    answer = next_renewal(&node, &mut inbound) => match answer {
+                        Some(answer) => answer,
+                        None => return, // the worker closed its side
+                    },
                 };
-                let request = match next {
-                    Ok(Some(request)) => request,
-                    Ok(None) | Err(_) => return, // the worker closed it, or the link broke
-                };
-                let answer = renew(&node, request, Instant::now()).await;
                 let refused = answer.is_err();
-                if tx.send(answer).await.is_err() || refused {
+                let sent = tokio::select! {
+                    _ = node.stopping.cancelled() => return,
+                    sent = tx.send(answer) => sent.is_ok(),
+                };
+                if !sent || refused {
                     return;
                 }
             }
@@ -253,9 +277,11 @@ impl Coordinator for CoordinatorService {
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
             (applied.state.owned_by(session), index)
         };
+        let permit = self.node.stream_permit()?;
         let (tx, rx) = mpsc::channel(1024);
         let service = CoordinatorService { node: self.node.clone() };
         tokio::spawn(async move {
+            let _permit = permit;
             for (partition, record) in initial {
                 let kind = if record.revoking { Kind::Revoking } else { Kind::Assigned };
                 if tx.send(Ok(service.event_for(kind, partition, record.token.0, from_index))).await.is_err()
@@ -265,6 +291,7 @@ impl Coordinator for CoordinatorService {
             }
             loop {
                 let received = tokio::select! {
+                    _ = tx.closed() => return, // the worker hung up
                     _ = service.node.stopping.cancelled() => {
                         let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
                         return;
@@ -320,6 +347,7 @@ impl Coordinator for CoordinatorService {
 
     async fn routes(&self, _req: Request<proto::RoutesRequest>) -> Result<Response<RoutesStream>, Status> {
         self.node.ensure_leader()?;
+        let permit = self.node.stream_permit()?;
         let mut events = self.node.sm.subscribe();
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
@@ -331,6 +359,7 @@ impl Coordinator for CoordinatorService {
         let (tx, rx) = mpsc::channel(1024);
         let node = self.node.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             for row in initial {
                 if tx.send(Ok(row)).await.is_err() {
                     return;
@@ -338,7 +367,11 @@ impl Coordinator for CoordinatorService {
             }
             loop {
                 let received = tokio::select! {
-                    _ = node.stopping.cancelled() => return,
+                    _ = tx.closed() => return, // the caller hung up
+                    _ = node.stopping.cancelled() => {
+                        let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
+                        return;
+                    }
                     received = events.recv() => received,
                 };
                 let applied = match received {

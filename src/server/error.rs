@@ -20,6 +20,10 @@ pub enum CoordinatorError {
     /// A malformed request, refused before it reached the log.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The node already serves as many streams as it is configured for; retry later, or on
+    /// another connection once some close.
+    #[error("this node already serves its limit of {limit} streams")]
+    TooManyStreams { limit: usize },
     /// The cluster could not answer now (no quorum, shutting down); retry later.
     #[error("unavailable: {0}")]
     Unavailable(String),
@@ -32,6 +36,7 @@ impl CoordinatorError {
             CoordinatorError::SessionExpired(_) => "session_expired",
             CoordinatorError::InvalidArgument(_) => "invalid_argument",
             CoordinatorError::Unavailable(_) => "unavailable",
+            CoordinatorError::TooManyStreams { .. } => "too_many_streams",
             CoordinatorError::Rejected(r) => match r {
                 Rejection::NotConfigured => "not_configured",
                 Rejection::ConfigMismatch { .. } => "config_mismatch",
@@ -54,6 +59,7 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::NotLeader { .. } | CoordinatorError::Unavailable(_) => Code::Unavailable,
             CoordinatorError::SessionExpired(_) => Code::NotFound,
             CoordinatorError::InvalidArgument(_) => Code::InvalidArgument,
+            CoordinatorError::TooManyStreams { .. } => Code::ResourceExhausted,
             CoordinatorError::Rejected(r) => match r {
                 Rejection::UnknownSession(_) => Code::NotFound,
                 Rejection::WrongSecret(_) => Code::PermissionDenied,

@@ -59,6 +59,9 @@ pub struct NodeConfig {
     /// disk afterwards (the fault harness's record of `tenure serve` processes). The log then
     /// grows without bound: for test and audit runs only.
     pub keep_whole_log: bool,
+    /// Most ownership and heartbeat streams this node serves at once, over all connections;
+    /// one more is refused with `TooManyStreams` rather than growing without bound.
+    pub max_streams: usize,
 }
 
 impl NodeConfig {
@@ -76,6 +79,7 @@ impl NodeConfig {
             snapshot_after_logs: 5000,
             dial_from: None,
             keep_whole_log: false,
+            max_streams: 100_000,
         }
     }
 
@@ -102,6 +106,13 @@ impl NodeConfig {
         }
         if self.expiry_check_interval.is_zero() {
             return bad("the expiry check interval must be positive".into());
+        }
+        if self.max_streams == 0 || self.max_streams > tokio::sync::Semaphore::MAX_PERMITS {
+            return bad(format!(
+                "the stream limit must be between 1 and {}, not {}",
+                tokio::sync::Semaphore::MAX_PERMITS,
+                self.max_streams
+            ));
         }
         Ok(())
     }
@@ -138,6 +149,8 @@ pub struct Node {
     /// Fires when the node stops; every task that holds the node watches it, so the store (and
     /// its file lock) is released on shutdown.
     pub(crate) stopping: CancellationToken,
+    /// One permit per open stream (see [`NodeConfig::max_streams`]).
+    pub(crate) streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl Node {
@@ -147,6 +160,14 @@ impl Node {
         &self,
     ) -> tokio::sync::broadcast::Receiver<std::sync::Arc<crate::store::AppliedEvent>> {
         self.sm.subscribe()
+    }
+
+    /// A permit for one more stream, held for as long as the stream is served.
+    pub(crate) fn stream_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, CoordinatorError> {
+        self.streams
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| CoordinatorError::TooManyStreams { limit: self.config.max_streams })
     }
 
     /// Fails with `NotLeader` (and the leader's address) unless this node leads.
@@ -270,6 +291,7 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
 
     let (renewals, renewal_rx) = mpsc::channel(65536);
     let cancel = CancellationToken::new();
+    let max_streams = config.max_streams;
     let node = Arc::new(Node {
         config,
         raft: raft.clone(),
@@ -278,6 +300,7 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
         leases: Mutex::new(None),
         renewals,
         stopping: cancel.clone(),
+        streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
     });
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(leader::run_duties(node.clone(), cancel.clone())));

@@ -61,7 +61,9 @@ impl ClientError {
             "not_owner" => ClientError::NotOwner(msg),
             "partition_out_of_range" => ClientError::PartitionOutOfRange(msg),
             "invalid_argument" | "invalid_name" | "invalid_weight" => ClientError::InvalidArgument(msg),
-            "not_leader" | "unavailable" | "not_configured" => ClientError::Unavailable(msg),
+            "not_leader" | "unavailable" | "not_configured" | "too_many_streams" => {
+                ClientError::Unavailable(msg)
+            }
             _ if status.code() == tonic::Code::Unavailable => ClientError::Unavailable(msg),
             _ => ClientError::Other(format!("{:?}: {msg}", status.code())),
         }
