@@ -82,3 +82,25 @@ async fn concurrent_writers_never_let_a_lower_token_in_after_a_higher_one() {
         "the last write in is the highest token"
     );
 }
+
+/// The harness's store served over gRPC tells the same story as the store it serves: every
+/// answer, stale ones with their highest token included, crosses the wire intact.
+#[cfg(feature = "coordinator")]
+#[tokio::test]
+async fn a_store_served_over_grpc_follows_the_rule() {
+    use std::sync::Arc;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let served = Arc::new(MemoryFence::default());
+    let server = tokio::spawn(tenure::nemesis::serve_store(served.clone(), listener, stop.clone()));
+    let remote = tenure::nemesis::RemoteStore::new(&addr).unwrap();
+    conformance(&remote).await;
+    assert_eq!(served.highest(P(3)).await.unwrap(), Some(T(17)), "the decisions were the served store's");
+    let huge = vec![0u8; 2 << 20];
+    assert!(matches!(remote.write(P(5), T(1), b"k", &huge).await, Err(FenceError::Backend(_))));
+    stop.cancel();
+    server.await.unwrap().unwrap();
+    let gone = remote.write(P(3), T(17), b"k", b"after").await.unwrap_err();
+    assert!(matches!(gone, FenceError::Backend(_)), "{gone:?}");
+}

@@ -1,7 +1,7 @@
-//! The nemesis in the test suite: a short seeded run of three `tenure serve` processes under
-//! every kind of fault (kill -9 and SIGSTOP included) must keep every invariant; so must a run
-//! with the nodes in this process; and a run whose store has the fencing check switched off
-//! must be caught by the checker. `tenure nemesis` runs long ones.
+//! The nemesis in the test suite: a short seeded run of three `tenure serve` processes and three
+//! worker processes under every kind of fault (kill -9 and SIGSTOP included) must keep every
+//! invariant; so must a run with nodes and workers in this process; and a run whose store has
+//! the fencing check switched off must be caught by the checker. `tenure nemesis` runs long ones.
 
 mod common;
 
@@ -50,6 +50,10 @@ async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
     // The coordinator's record was read back from every node's log on disk.
     let nodes: std::collections::BTreeSet<u64> = outcome.history.coordinator.iter().map(|c| c.node).collect();
     assert_eq!(nodes, (1..=config.nodes).collect(), "decisions replayed from every node's log");
+    // The workers ran as processes of their own and reported what they did.
+    let workers: std::collections::BTreeSet<&str> =
+        outcome.history.workers.iter().map(|r| r.worker.as_str()).collect();
+    assert_eq!(workers.len(), config.workers, "records from every worker process: {workers:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -37,6 +37,27 @@ enum Command {
     /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
     #[cfg(feature = "fence-postgres")]
     Work(WorkArgs),
+    /// A worker process of a nemesis run (started by `tenure nemesis`; prints JSON lines).
+    #[command(hide = true)]
+    NemesisWorker(NemesisWorkerArgs),
+}
+
+#[derive(Args)]
+struct NemesisWorkerArgs {
+    #[arg(long, value_delimiter = ',', required = true)]
+    coordinators: Vec<String>,
+    #[arg(long)]
+    name: String,
+    /// The run's fenced store (host:port).
+    #[arg(long)]
+    store: String,
+    #[arg(long)]
+    dial_from: std::net::IpAddr,
+    /// The run clock's origin on the system's monotonic clock, in nanoseconds.
+    #[arg(long)]
+    epoch_ns: u64,
+    #[arg(long, default_value_t = 20)]
+    write_every_ms: u64,
 }
 
 #[cfg(feature = "fence-postgres")]
@@ -144,8 +165,8 @@ struct NemesisArgs {
     /// Write each run's history as JSON into this directory.
     #[arg(long)]
     history_dir: Option<PathBuf>,
-    /// Run the coordinator nodes in this process instead of as `tenure serve` processes
-    /// (no real SIGSTOP or kill -9 then; quicker to start).
+    /// Run the coordinator nodes and the workers in this process instead of as `tenure serve`
+    /// and worker processes (no real SIGSTOP or kill -9 then; quicker to start).
     #[arg(long)]
     in_process: bool,
 }
@@ -220,6 +241,17 @@ async fn main() -> Result<()> {
         Command::Simulate(args) => simulate(args),
         #[cfg(feature = "fence-postgres")]
         Command::Work(args) => work(args).await,
+        Command::NemesisWorker(args) => {
+            let args = tenure::nemesis::WorkerProcessArgs {
+                coordinators: args.coordinators,
+                name: args.name,
+                store: args.store,
+                dial_from: args.dial_from,
+                epoch_ns: args.epoch_ns,
+                write_interval: Duration::from_millis(args.write_every_ms),
+            };
+            tenure::nemesis::run_worker_process(args).await.map_err(|e| anyhow::anyhow!(e))
+        }
     }
 }
 

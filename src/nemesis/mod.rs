@@ -6,9 +6,10 @@
 //! through their partition handles to a fenced store. A schedule drawn from a seed injects one
 //! fault at a time, heals it, and moves on:
 //!
-//! - `freeze-worker`: a worker stops as under SIGSTOP or a long GC pause, past its TTL: its
-//!   heartbeats stop, and when it wakes it writes once more with the tokens it had, without
-//!   looking at its lease (a write stuck in a buffer), then rejoins.
+//! - `freeze-worker`: a worker stops past its TTL, as under a long GC pause: a worker process
+//!   gets SIGSTOP, then SIGCONT, and the writes it had checked before the stop go out late; an
+//!   in-process slot stops its heartbeats, then writes once more with the tokens it had without
+//!   looking at its lease (a write stuck in a buffer). Either then carries on or rejoins.
 //! - `crash-worker`: a worker dies (its memory with it) and restarts later as a new session.
 //! - `partition-worker`: a worker loses the coordinators but still reaches storage.
 //! - `minority-leader`: the leader is cut off from the other nodes; workers still reach it.
@@ -28,16 +29,23 @@
 //! The nodes are either `tenure serve` processes ([`NemesisConfig::serve_binary`]), which take
 //! real signals and whose decisions are read back from their RocksDB logs after the run, or
 //! nodes in this process, followed live as they apply entries (quicker to start; a "kill" there
-//! is an abrupt stop). Worker slots always run in this process, each dialling from its own
-//! loopback address; real worker processes under SIGSTOP are in `tests/sigstop.rs`.
+//! is an abrupt stop). The worker slots go with the nodes: with processes, each slot is a
+//! `tenure nemesis-worker` process that dials from its own loopback address, reaches the run's
+//! store over gRPC ([`RemoteStore`]) and is frozen with a real SIGSTOP and killed with SIGKILL;
+//! otherwise each slot runs in this process and a freeze is emulated (heartbeats stop, then a
+//! blind write).
 
 mod coordinators;
 mod processes;
 mod proxy;
+mod remote_store;
+mod worker_process;
 mod workload;
 
 pub use processes::{ProcessCluster, ProcessError, ServeSettings};
 pub use proxy::FaultProxy;
+pub use remote_store::{serve_store, RemoteStore};
+pub use worker_process::{run_worker_process, WorkerProcessArgs};
 
 use crate::history::{self, Committed, Fault, FinalRow, History, Report, StoreRecord};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
@@ -52,7 +60,8 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::task::JoinHandle;
-use workload::{Slot, SlotCommand};
+use tokio_util::sync::CancellationToken;
+use workload::{LocalSlot, Slot, SlotCommand};
 
 /// One kind of fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -117,7 +126,8 @@ pub struct NemesisConfig {
     pub fencing: bool,
     /// Pause between a worker's rounds of writes.
     pub write_interval: Duration,
-    /// Run the nodes as processes of this `tenure` binary; `None` runs them in this process.
+    /// Run the nodes and the workers as processes of this `tenure` binary; `None` runs them in
+    /// this process.
     pub serve_binary: Option<std::path::PathBuf>,
 }
 
@@ -174,11 +184,32 @@ pub struct Outcome {
     pub faults: BTreeMap<&'static str, usize>,
 }
 
-/// The run's clock: nanoseconds since it began, on this process's monotonic clock.
+/// The run's clock: nanoseconds since it began, on the system's monotonic clock (which every
+/// process on the machine shares, so worker processes stamp their records on it too).
 #[derive(Clone, Copy)]
 pub(crate) struct Clock(Instant);
 
+/// The system's monotonic clock (`CLOCK_MONOTONIC`, which `Instant` reads on Linux) in ns.
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime only writes the timespec we pass, which lives on this stack frame.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
 impl Clock {
+    /// A clock that starts now, and its origin as a reading of the system's monotonic clock.
+    pub(crate) fn start() -> (Clock, u64) {
+        (Clock(Instant::now()), monotonic_ns())
+    }
+
+    /// The clock whose origin was `epoch_ns` of the system's monotonic clock (in another process).
+    pub(crate) fn from_monotonic_ns(epoch_ns: u64) -> Clock {
+        let (now, raw) = (Instant::now(), monotonic_ns());
+        let since = Duration::from_nanos(raw.saturating_sub(epoch_ns));
+        Clock(now.checked_sub(since).unwrap_or(now))
+    }
+
     pub(crate) fn now_ns(&self) -> u64 {
         self.0.elapsed().as_nanos() as u64
     }
@@ -319,7 +350,7 @@ impl Drop for CoordinatorRecorder {
 
 /// Runs the nemesis with its data under `dir`; returns the history and the checker's report.
 pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisError> {
-    let clock = Clock(Instant::now());
+    let (clock, epoch_ns) = Clock::start();
     let mut rng = StdRng::seed_from_u64(config.seed);
     let snapshot_after_logs = 200; // so restarts also go through snapshots
     let mut cluster = match &config.serve_binary {
@@ -353,19 +384,56 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
 
     let store = Arc::new(JournaledStore::new(config.fencing));
     let worker_records = Arc::new(Mutex::new(Vec::new()));
+    let store_service = CancellationToken::new();
+    let store_addr = match &config.serve_binary {
+        Some(_) => {
+            let listener = tokio::net::TcpListener::bind((std::net::Ipv4Addr::LOCALHOST, 0))
+                .await
+                .map_err(|e| NemesisError::Worker(format!("store listener: {e}")))?;
+            let addr = listener.local_addr().map_err(|e| NemesisError::Worker(e.to_string()))?;
+            let (store, stop) = (store.clone(), store_service.clone());
+            tokio::spawn(async move {
+                if let Err(e) = serve_store(store, listener, stop).await {
+                    tracing::error!(error = %e, "the run's store stopped serving");
+                }
+            });
+            Some(addr.to_string())
+        }
+        None => None,
+    };
+    let _stop_store = store_service.drop_guard();
     let mut slots = Vec::new();
     for n in 0..config.workers {
-        let slot = Slot::start(
-            format!("w{}", n + 1),
-            worker_ip(n),
-            cluster.addrs(),
-            store.clone(),
-            worker_records.clone(),
-            clock,
-            config.write_interval,
-        )
-        .await
-        .map_err(NemesisError::Worker)?;
+        let name = format!("w{}", n + 1);
+        let slot = match (&config.serve_binary, &store_addr) {
+            (Some(binary), Some(store_addr)) => {
+                let args = WorkerProcessArgs {
+                    coordinators: cluster.addrs(),
+                    name,
+                    store: store_addr.clone(),
+                    dial_from: worker_ip(n),
+                    epoch_ns,
+                    write_interval: config.write_interval,
+                };
+                Slot::Process(Box::new(
+                    worker_process::ProcessSlot::start(binary, dir, &args, worker_records.clone())
+                        .map_err(NemesisError::Worker)?,
+                ))
+            }
+            _ => Slot::Local(
+                LocalSlot::start(
+                    name,
+                    worker_ip(n),
+                    cluster.addrs(),
+                    store.clone(),
+                    worker_records.clone(),
+                    clock,
+                    config.write_interval,
+                )
+                .await
+                .map_err(NemesisError::Worker)?,
+            ),
+        };
         slots.push(slot);
     }
 
@@ -421,9 +489,9 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let live_sessions: BTreeMap<String, SessionId> =
-        slots.iter().filter_map(|s| s.session().map(|id| (s.name.clone(), id))).collect();
+        slots.iter().filter_map(|s| s.session().map(|id| (s.name().to_string(), id))).collect();
     for slot in &slots {
-        slot.send(SlotCommand::Stop).await;
+        slot.send(SlotCommand::Stop).await.map_err(NemesisError::Worker)?;
     }
     for slot in slots {
         slot.join().await;
@@ -544,8 +612,8 @@ async fn inject(
                 let down = jitter(rng, ttl / 2, ttl * 2);
                 (down, SlotCommand::Crash(down))
             };
-            slot.send(command).await;
-            Ok(format!("{} {} for {} ms", kind.name(), slot.name, pause.as_millis()))
+            slot.send(command).await.map_err(NemesisError::Worker)?;
+            Ok(format!("{} {} for {} ms", kind.name(), slot.name(), pause.as_millis()))
         }
         FaultKind::PartitionWorker => {
             let n = rng.random_range(0..slots.len());
@@ -555,7 +623,7 @@ async fn inject(
             }
             tokio::time::sleep(cut).await;
             heal_all(cluster);
-            Ok(format!("{} {} for {} ms", kind.name(), slots[n].name, cut.as_millis()))
+            Ok(format!("{} {} for {} ms", kind.name(), slots[n].name(), cut.as_millis()))
         }
         FaultKind::PauseLeader if matches!(cluster, Coordinators::Processes(_)) => {
             let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;

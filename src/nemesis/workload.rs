@@ -1,9 +1,15 @@
 //! A worker slot of the nemesis: one real [`Worker`] at a time under one name, writing through
-//! its partition handles to the run's fenced store and recording every operation. The nemesis
-//! freezes, crashes and restarts it through [`SlotCommand`]s.
+//! its partition handles to the run's fenced store and recording every operation.
+//!
+//! The same task runs in two places. In the harness's process ([`LocalSlot`]), the nemesis
+//! freezes, crashes and restarts it through [`SlotCommand`]s, emulating a pause by stopping its
+//! heartbeats and then writing blind. In a worker process of its own
+//! ([`super::worker_process`]), the faults are real signals, and its writes are checked then
+//! made one write interval later, so a SIGSTOP that lands in between produces a genuinely late
+//! write. Either way the records and beliefs go to a [`Sink`].
 
-use super::{Clock, JournaledStore};
-use crate::fence::FenceError;
+use super::Clock;
+use crate::fence::{FenceError, FenceStore};
 use crate::history::{WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::worker::{PartitionHandle, Worker, WorkerConfig, WorkerEvent};
@@ -27,50 +33,108 @@ pub(crate) enum SlotCommand {
     Stop,
 }
 
-#[derive(Default)]
-struct View {
-    session: Option<SessionId>,
-    believed: BTreeMap<PartitionId, FencingToken>,
+/// What a slot's worker is: its session and the partitions its library believes it holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct View {
+    pub(crate) session: Option<SessionId>,
+    pub(crate) believed: BTreeMap<PartitionId, FencingToken>,
 }
 
-/// The nemesis's side of a slot.
-pub(crate) struct Slot {
+/// Where a slot's task reports what it did and what it believes.
+pub(crate) trait Sink: Send + Sync + 'static {
+    fn record(&self, record: WorkerRecord);
+    fn view(&self, view: &View);
+}
+
+/// The sink of a slot in the harness's process: shared memory.
+pub(crate) struct LocalSink {
+    pub(crate) view: Arc<Mutex<View>>,
+    pub(crate) records: Arc<Mutex<Vec<WorkerRecord>>>,
+}
+
+impl Sink for LocalSink {
+    fn record(&self, record: WorkerRecord) {
+        self.records.lock().expect("worker records poisoned").push(record);
+    }
+    fn view(&self, view: &View) {
+        *self.view.lock().expect("slot view poisoned") = view.clone();
+    }
+}
+
+/// A worker slot as the nemesis drives it, wherever it runs.
+pub(crate) enum Slot {
+    Local(LocalSlot),
+    Process(Box<super::worker_process::ProcessSlot>),
+}
+
+impl Slot {
+    pub(crate) fn name(&self) -> &str {
+        match self {
+            Slot::Local(s) => &s.name,
+            Slot::Process(s) => &s.name,
+        }
+    }
+
+    /// Carries out a command and waits until it is done.
+    pub(crate) async fn send(&self, command: SlotCommand) -> Result<(), String> {
+        match (self, command) {
+            (Slot::Local(s), command) => s.send(command).await,
+            (Slot::Process(s), SlotCommand::Freeze(pause)) => s.freeze(pause).await,
+            (Slot::Process(s), SlotCommand::Crash(down)) => s.crash(down).await?,
+            (Slot::Process(s), SlotCommand::Stop) => s.kill().await,
+        }
+        Ok(())
+    }
+
+    pub(crate) fn session(&self) -> Option<SessionId> {
+        match self {
+            Slot::Local(s) => s.session(),
+            Slot::Process(s) => s.view().session,
+        }
+    }
+
+    /// What the worker library believes it holds right now.
+    pub(crate) fn believed(&self) -> BTreeMap<PartitionId, FencingToken> {
+        match self {
+            Slot::Local(s) => s.believed(),
+            Slot::Process(s) => s.view().believed,
+        }
+    }
+
+    /// Waits for the slot to finish after [`SlotCommand::Stop`].
+    pub(crate) async fn join(self) {
+        match self {
+            Slot::Local(s) => s.join().await,
+            Slot::Process(s) => s.kill().await,
+        }
+    }
+}
+
+/// The nemesis's side of a slot in its own process.
+pub(crate) struct LocalSlot {
     pub(crate) name: String,
     commands: mpsc::Sender<(SlotCommand, oneshot::Sender<()>)>,
     view: Arc<Mutex<View>>,
     task: JoinHandle<()>,
 }
 
-impl Slot {
-    pub(crate) async fn start(
+impl LocalSlot {
+    pub(crate) async fn start<S: FenceStore + 'static>(
         name: String,
         ip: IpAddr,
         coordinators: Vec<String>,
-        store: Arc<JournaledStore>,
+        store: Arc<S>,
         records: Arc<Mutex<Vec<WorkerRecord>>>,
         clock: Clock,
         interval: Duration,
-    ) -> Result<Slot, String> {
+    ) -> Result<LocalSlot, String> {
         let view = Arc::new(Mutex::new(View::default()));
-        let mut config = WorkerConfig::new(coordinators, name.clone());
-        config.dial_from = Some(ip);
-        let mut task = SlotTask {
-            name: name.clone(),
-            config,
-            store,
-            records,
-            clock,
-            interval,
-            worker: None,
-            events: mpsc::unbounded_channel().1,
-            handles: BTreeMap::new(),
-            view: view.clone(),
-            writes: 0,
-        };
+        let sink = Arc::new(LocalSink { view: view.clone(), records });
+        let mut task = SlotTask::new(name.clone(), ip, coordinators, store, sink, clock, interval);
         task.rejoin().await?;
         let (commands, rx) = mpsc::channel(1);
         let task = tokio::spawn(task.run(rx));
-        Ok(Slot { name, commands, view, task })
+        Ok(LocalSlot { name, commands, view, task })
     }
 
     /// Carries out a command and waits until the slot has done it.
@@ -95,21 +159,65 @@ impl Slot {
     }
 }
 
-struct SlotTask {
+pub(crate) struct SlotTask<S> {
     name: String,
     config: WorkerConfig,
-    store: Arc<JournaledStore>,
-    records: Arc<Mutex<Vec<WorkerRecord>>>,
+    store: Arc<S>,
+    sink: Arc<dyn Sink>,
     clock: Clock,
     interval: Duration,
     worker: Option<Worker>,
     events: mpsc::UnboundedReceiver<WorkerEvent>,
     handles: BTreeMap<PartitionId, PartitionHandle>,
-    view: Arc<Mutex<View>>,
+    view: View,
     writes: u64,
 }
 
-impl SlotTask {
+impl<S: FenceStore + 'static> SlotTask<S> {
+    pub(crate) fn new(
+        name: String,
+        ip: IpAddr,
+        coordinators: Vec<String>,
+        store: Arc<S>,
+        sink: Arc<dyn Sink>,
+        clock: Clock,
+        interval: Duration,
+    ) -> SlotTask<S> {
+        let mut config = WorkerConfig::new(coordinators, name.clone());
+        config.dial_from = Some(ip);
+        SlotTask {
+            name,
+            config,
+            store,
+            sink,
+            clock,
+            interval,
+            worker: None,
+            events: mpsc::unbounded_channel().1,
+            handles: BTreeMap::new(),
+            view: View::default(),
+            writes: 0,
+        }
+    }
+
+    /// The loop of a worker process: take in events, check which leases are believed, spend a
+    /// write interval "working", then write under each of those tokens. A SIGSTOP during the
+    /// work makes the writes late, as a GC pause between check and write would.
+    pub(crate) async fn run_checking_before_work(mut self) {
+        loop {
+            self.follow_events().await;
+            let checked: Vec<(PartitionHandle, Instant)> =
+                self.handles.values().filter_map(|h| Self::belief(h).map(|b| (h.clone(), b))).collect();
+            self.publish();
+            tokio::time::sleep(self.interval).await;
+            for (h, belief) in checked {
+                if self.handles.get(&h.partition()).is_some_and(|held| held.token() == h.token()) {
+                    self.write(&h, Some(belief)).await;
+                }
+            }
+        }
+    }
+
     async fn run(mut self, mut commands: mpsc::Receiver<(SlotCommand, oneshot::Sender<()>)>) {
         loop {
             tokio::select! {
@@ -135,8 +243,8 @@ impl SlotTask {
     }
 
     fn record(&self, h: &PartitionHandle, op: WorkerOp, start_ns: u64, believed_until: Option<Instant>) {
-        let session = self.view.lock().expect("slot view poisoned").session.unwrap_or(SessionId(0));
-        self.records.lock().expect("worker records poisoned").push(WorkerRecord {
+        let session = self.view.session.unwrap_or(SessionId(0));
+        self.sink.record(WorkerRecord {
             worker: self.name.clone(),
             session,
             partition: h.partition(),
@@ -225,9 +333,13 @@ impl SlotTask {
         }
     }
 
-    fn publish(&self) {
+    /// Reports the view when it changed.
+    fn publish(&mut self) {
         let believed = self.worker.as_ref().map(Worker::owned).unwrap_or_default();
-        self.view.lock().expect("slot view poisoned").believed = believed;
+        if believed != self.view.believed {
+            self.view.believed = believed;
+            self.sink.view(&self.view);
+        }
     }
 
     /// The process is gone: no heartbeats, no leave.
@@ -235,8 +347,8 @@ impl SlotTask {
         if let Some(worker) = self.worker.take() {
             worker.abandon();
         }
-        let mut view = self.view.lock().expect("slot view poisoned");
-        view.believed.clear();
+        self.view.believed.clear();
+        self.sink.view(&self.view);
     }
 
     async fn freeze(&mut self, pause: Duration) {
@@ -256,20 +368,22 @@ impl SlotTask {
     async fn crash(&mut self, down: Duration) {
         self.vanish();
         self.handles.clear();
-        self.view.lock().expect("slot view poisoned").session = None;
+        self.view.session = None;
+        self.sink.view(&self.view);
         tokio::time::sleep(down).await;
         if let Err(e) = self.rejoin().await {
             tracing::warn!(worker = %self.name, error = %e, "could not rejoin");
         }
     }
 
-    async fn rejoin(&mut self) -> Result<(), String> {
+    pub(crate) async fn rejoin(&mut self) -> Result<(), String> {
         let started = Instant::now();
         loop {
             match Worker::join(self.config.clone()).await {
                 Ok(mut worker) => {
                     self.events = worker.events();
-                    self.view.lock().expect("slot view poisoned").session = Some(worker.session());
+                    self.view.session = Some(worker.session());
+                    self.sink.view(&self.view);
                     self.worker = Some(worker);
                     return Ok(());
                 }

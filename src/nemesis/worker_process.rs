@@ -1,0 +1,205 @@
+//! Worker slots as processes of their own: `tenure nemesis-worker`, started, frozen with
+//! SIGSTOP, killed with SIGKILL and restarted by the harness.
+//!
+//! The child runs the slot task against the harness's store over gRPC
+//! ([`RemoteStore`]) and prints one JSON line per record and per change of what it believes;
+//! the parent reads them back. Both stamp times on the run's clock: the parent hands the child
+//! the clock's origin as a reading of the system-wide monotonic clock, which the two processes
+//! share on one machine. A record is printed when its operation has finished, so a process
+//! killed mid-operation leaves that operation out of the worker record (the store's journal
+//! still has its decision, which is what the fencing checks read).
+
+use super::remote_store::RemoteStore;
+use super::workload::{Sink, SlotTask, View};
+use super::Clock;
+use crate::history::WorkerRecord;
+use serde::{Deserialize, Serialize};
+use std::io::Write;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::AsyncBufReadExt;
+use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
+
+/// What a worker process needs to know.
+#[derive(Clone, Debug)]
+pub struct WorkerProcessArgs {
+    pub coordinators: Vec<String>,
+    pub name: String,
+    /// The harness's fenced store (`host:port`).
+    pub store: String,
+    /// The loopback address this worker dials the coordinators from (its "host").
+    pub dial_from: IpAddr,
+    /// The run clock's origin, as nanoseconds of the system's monotonic clock.
+    pub epoch_ns: u64,
+    pub write_interval: Duration,
+}
+
+/// One line of a worker process's output.
+#[derive(Debug, Serialize, Deserialize)]
+enum Line {
+    Record(WorkerRecord),
+    View(View),
+}
+
+struct StdoutSink;
+
+impl StdoutSink {
+    fn print(line: &Line) {
+        if let Ok(json) = serde_json::to_string(line) {
+            let mut out = std::io::stdout().lock();
+            // A parent that stopped reading has ended the run; nothing to do about it here.
+            let _ = writeln!(out, "{json}");
+            let _ = out.flush();
+        }
+    }
+}
+
+impl Sink for StdoutSink {
+    fn record(&self, record: WorkerRecord) {
+        StdoutSink::print(&Line::Record(record));
+    }
+    fn view(&self, view: &View) {
+        StdoutSink::print(&Line::View(view.clone()));
+    }
+}
+
+/// The body of `tenure nemesis-worker`: joins, then works until it is killed.
+pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
+    let clock = Clock::from_monotonic_ns(args.epoch_ns);
+    let store = Arc::new(RemoteStore::new(&args.store).map_err(|e| e.to_string())?);
+    let mut task = SlotTask::new(
+        args.name,
+        args.dial_from,
+        args.coordinators,
+        store,
+        Arc::new(StdoutSink),
+        clock,
+        args.write_interval,
+    );
+    task.rejoin().await?;
+    task.run_checking_before_work().await;
+    Ok(())
+}
+
+/// The harness's side of a worker process.
+pub(crate) struct ProcessSlot {
+    pub(crate) name: String,
+    command: Vec<String>,
+    binary: PathBuf,
+    log: PathBuf,
+    running: tokio::sync::Mutex<Option<(Child, JoinHandle<()>)>>,
+    view: Arc<Mutex<View>>,
+    records: Arc<Mutex<Vec<WorkerRecord>>>,
+}
+
+impl ProcessSlot {
+    /// Starts the worker process; its stderr goes to `<dir>/<name>.log`.
+    pub(crate) fn start(
+        binary: &Path,
+        dir: &Path,
+        args: &WorkerProcessArgs,
+        records: Arc<Mutex<Vec<WorkerRecord>>>,
+    ) -> Result<ProcessSlot, String> {
+        let command = vec![
+            "nemesis-worker".to_string(),
+            "--coordinators".into(),
+            args.coordinators.join(","),
+            "--name".into(),
+            args.name.clone(),
+            "--store".into(),
+            args.store.clone(),
+            "--dial-from".into(),
+            args.dial_from.to_string(),
+            "--epoch-ns".into(),
+            args.epoch_ns.to_string(),
+            "--write-every-ms".into(),
+            args.write_interval.as_millis().to_string(),
+        ];
+        let slot = ProcessSlot {
+            name: args.name.clone(),
+            command,
+            binary: binary.to_path_buf(),
+            log: dir.join(format!("{}.log", args.name)),
+            running: tokio::sync::Mutex::new(None),
+            view: Arc::new(Mutex::new(View::default())),
+            records,
+        };
+        let running = slot.spawn()?;
+        *slot.running.try_lock().expect("not shared yet") = Some(running);
+        Ok(slot)
+    }
+
+    fn spawn(&self) -> Result<(Child, JoinHandle<()>), String> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .map_err(|e| format!("opening {}: {e}", self.log.display()))?;
+        let mut child = Command::new(&self.binary)
+            .args(&self.command)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
+        let stdout = child.stdout.take().ok_or("no stdout")?;
+        let (view, records, name) = (self.view.clone(), self.records.clone(), self.name.clone());
+        let reader = tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                match serde_json::from_str::<Line>(&line) {
+                    Ok(Line::Record(r)) => records.lock().expect("worker records poisoned").push(r),
+                    Ok(Line::View(v)) => *view.lock().expect("slot view poisoned") = v,
+                    Err(e) => tracing::warn!(worker = %name, error = %e, %line, "unreadable worker line"),
+                }
+            }
+        });
+        Ok((child, reader))
+    }
+
+    /// SIGSTOP for `pause`, then SIGCONT.
+    pub(crate) async fn freeze(&self, pause: Duration) {
+        self.signal(libc::SIGSTOP).await;
+        tokio::time::sleep(pause).await;
+        self.signal(libc::SIGCONT).await;
+    }
+
+    async fn signal(&self, signal: libc::c_int) {
+        let running = self.running.lock().await;
+        let Some(pid) = running.as_ref().and_then(|(child, _)| child.id()) else { return };
+        // SAFETY: kill(2) only sends a signal to our own child, which we hold and have not
+        // reaped, so its pid cannot have been reused by another process.
+        if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
+            tracing::warn!(worker = %self.name, signal, "could not signal the worker process");
+        }
+    }
+
+    /// SIGKILL; every line it printed is read before this returns, and it believes nothing
+    /// any more.
+    pub(crate) async fn kill(&self) {
+        if let Some((mut child, reader)) = self.running.lock().await.take() {
+            let _ = child.kill().await;
+            let _ = reader.await;
+        }
+        *self.view.lock().expect("slot view poisoned") = View::default();
+    }
+
+    /// SIGKILL, then a new process (a new session) after `down`.
+    pub(crate) async fn crash(&self, down: Duration) -> Result<(), String> {
+        self.kill().await;
+        tokio::time::sleep(down).await;
+        let running = self.spawn()?;
+        *self.running.lock().await = Some(running);
+        Ok(())
+    }
+
+    pub(crate) fn view(&self) -> View {
+        self.view.lock().expect("slot view poisoned").clone()
+    }
+}
