@@ -149,6 +149,8 @@ pub struct Node {
     /// Fires when the node stops; every task that holds the node watches it, so the store (and
     /// its file lock) is released on shutdown.
     pub(crate) stopping: CancellationToken,
+    /// Role and leader, as openraft last reported them (kept, so a request needs no new handle).
+    server_metrics: tokio::sync::watch::Receiver<openraft::metrics::RaftServerMetrics<NodeId, BasicNode>>,
     /// One permit per open stream (see [`NodeConfig::max_streams`]).
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
 }
@@ -172,11 +174,14 @@ impl Node {
 
     /// Fails with `NotLeader` (and the leader's address) unless this node leads.
     pub fn ensure_leader(&self) -> Result<(), CoordinatorError> {
-        let metrics = self.raft.metrics().borrow().clone();
-        if metrics.state == ServerState::Leader && metrics.current_leader == Some(self.config.id) {
-            return Ok(());
-        }
-        let leader_id = metrics.current_leader;
+        // Every request asks this: read the small server metrics in place, copying nothing.
+        let leader_id = {
+            let metrics = self.server_metrics.borrow();
+            if metrics.state == ServerState::Leader && metrics.current_leader == Some(self.config.id) {
+                return Ok(());
+            }
+            metrics.current_leader
+        };
         let leader_addr = leader_id.and_then(|id| self.address_of(id));
         Err(CoordinatorError::NotLeader { leader_id, leader_addr })
     }
@@ -301,6 +306,7 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
         renewals,
         stopping: cancel.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        server_metrics: raft.server_metrics(),
     });
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(leader::run_duties(node.clone(), cancel.clone())));

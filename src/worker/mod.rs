@@ -750,7 +750,11 @@ impl Worker {
                         return;
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "heartbeat failed");
+                        if failed_since_renewal {
+                            tracing::debug!(error = %e, "heartbeat failed again");
+                        } else {
+                            tracing::warn!(error = %e, "heartbeat failed; retrying");
+                        }
                         stream = None;
                         failed_since_renewal = true;
                         let pause = retry;
