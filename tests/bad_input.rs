@@ -102,23 +102,31 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
     let dir = tempfile::tempdir().unwrap();
     let c = tenure::local_cluster::LocalCluster::start(3, dir.path(), |cfg| {
         fast(cfg);
-        cfg.max_streams = 3;
+        cfg.max_streams = 2;
     })
     .await
     .unwrap();
-    c.wait_for_leader(PATIENCE).await.expect("a leader");
-    let w = worker(&c, "w1").await; // its ownership stream and its heartbeat stream: two
-    let before = settled(&c, 1).await;
-    let leader = c.leader().unwrap();
+    let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
     let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
-    let third = client.routes(proto::RoutesRequest {}).await.expect("the third stream");
-    let session_id = w.session().0;
-    let beats = || tokio_stream::iter([proto::HeartbeatRequest { session_id, secret: "x".into() }]);
+    // Ownership and route streams share one budget, heartbeat streams have their own, so
+    // subscribers cannot crowd out renewals.
+    let routes = [
+        client.routes(proto::RoutesRequest {}).await.expect("first route stream"),
+        client.routes(proto::RoutesRequest {}).await.expect("second route stream"),
+    ];
+    let err = client.routes(proto::RoutesRequest {}).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_streams"));
+    // Heartbeat streams held open with nothing sent yet.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let (tx, rx) = tokio::sync::mpsc::channel::<proto::HeartbeatRequest>(1);
+        let stream = client.heartbeats(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
+        held.push((tx, stream.expect("a heartbeat stream within its own budget")));
+    }
+    let beats = || tokio_stream::iter([proto::HeartbeatRequest { session_id: 999, secret: "x".into() }]);
     let err = client.heartbeats(beats()).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_streams"));
-    let err = client.routes(proto::RoutesRequest {}).await.unwrap_err();
-    assert_eq!(kind(&err), "too_many_streams");
-    drop(third);
+    drop(held.pop());
     let mut answers = eventually("the closed stream's place is free again", || {
         let mut client = client.clone();
         async move { client.heartbeats(beats()).await.ok() }
@@ -126,8 +134,33 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
     .await
     .into_inner();
     let err = answers.message().await.unwrap_err();
-    assert_eq!(kind(&err), "wrong_secret", "the new stream is served");
-    assert_eq!(tokens(&c.status().await.unwrap()), tokens(&before), "the worker kept everything");
+    assert_eq!(kind(&err), "unknown_session", "the new stream is served");
+    drop(routes);
+    eventually("a route stream's place is free again", || {
+        let mut client = client.clone();
+        async move { client.routes(proto::RoutesRequest {}).await.ok() }
+    })
+    .await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_timings_that_cannot_keep_a_lease_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let mut config = tenure::worker::WorkerConfig::new(c.addrs(), "w1");
+    config.heartbeat_interval = Some(std::time::Duration::ZERO);
+    let err = tenure::worker::Worker::join(config.clone()).await.err().expect("refused");
+    assert!(matches!(err, tenure::worker::ClientError::InvalidArgument(_)), "{err:?}");
+    config.heartbeat_interval = Some(TTL); // a heartbeat per TTL cannot keep a TTL lease
+    let err = tenure::worker::Worker::join(config).await.err().expect("refused");
+    assert!(matches!(err, tenure::worker::ClientError::InvalidArgument(_)), "{err:?}");
+    // The session the second attempt was given is handed back, not left to expire.
+    let status = eventually("no session left behind", || async {
+        c.status().await.ok().filter(|s| s.sessions.is_empty())
+    })
+    .await;
+    assert!(status.partitions.iter().all(|r| r.owner == 0));
     c.shutdown().await;
 }
 

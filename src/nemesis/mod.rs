@@ -197,17 +197,42 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// An `Instant` and a reading of the system's monotonic clock taken as one: of a few tries, the
+/// one whose two raw readings around the `Instant` are closest, with the raw value their
+/// midpoint, so a preemption between the reads cannot shift a worker process's clock.
+fn paired_now() -> (Instant, u64) {
+    let mut best: Option<(u64, Instant, u64)> = None;
+    for _ in 0..16 {
+        let before = monotonic_ns();
+        let instant = Instant::now();
+        let after = monotonic_ns();
+        let gap = after.saturating_sub(before);
+        if best.is_none_or(|(g, _, _)| gap < g) {
+            best = Some((gap, instant, before + gap / 2));
+        }
+        if gap < 1_000 {
+            break;
+        }
+    }
+    let (_, instant, raw) = best.expect("at least one try");
+    (instant, raw)
+}
+
 impl Clock {
     /// A clock that starts now, and its origin as a reading of the system's monotonic clock.
     pub(crate) fn start() -> (Clock, u64) {
-        (Clock(Instant::now()), monotonic_ns())
+        let (now, raw) = paired_now();
+        (Clock(now), raw)
     }
 
-    /// The clock whose origin was `epoch_ns` of the system's monotonic clock (in another process).
-    pub(crate) fn from_monotonic_ns(epoch_ns: u64) -> Clock {
-        let (now, raw) = (Instant::now(), monotonic_ns());
-        let since = Duration::from_nanos(raw.saturating_sub(epoch_ns));
-        Clock(now.checked_sub(since).unwrap_or(now))
+    /// The clock whose origin was `epoch_ns` of the system's monotonic clock (in another process
+    /// on this machine).
+    pub(crate) fn from_monotonic_ns(epoch_ns: u64) -> Result<Clock, String> {
+        let (now, raw) = paired_now();
+        let since = raw.checked_sub(epoch_ns).map(Duration::from_nanos).ok_or_else(|| {
+            format!("clock origin {epoch_ns} ns is ahead of this machine's monotonic clock ({raw} ns)")
+        })?;
+        now.checked_sub(since).map(Clock).ok_or_else(|| format!("clock origin {epoch_ns} ns is out of range"))
     }
 
     pub(crate) fn now_ns(&self) -> u64 {

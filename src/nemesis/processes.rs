@@ -45,6 +45,21 @@ fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProcessError {
     move |source| ProcessError::Io { what, source }
 }
 
+/// Makes the child die with SIGKILL when the thread that started it ends, however that happens
+/// (`kill_on_drop` covers only a parent that unwinds normally; not one that is killed).
+pub(crate) fn die_with_parent(command: &mut Command) {
+    // SAFETY: the closure runs in the child between fork and exec and only calls prctl(2),
+    // which is async-signal-safe and touches no memory of ours.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Nodes `1..=n` as child processes.
 pub struct ProcessCluster {
     settings: ServeSettings,
@@ -94,7 +109,8 @@ impl ProcessCluster {
             .append(true)
             .open(self.dir.join(format!("node-{id}.log")))
             .map_err(io("opening the node's log"))?;
-        let child = Command::new(&s.binary)
+        let mut command = Command::new(&s.binary);
+        command
             .arg("serve")
             .args(["--id", &id.to_string(), "--peers", &peers.join(",")])
             .args(["--listen", &self.listen[&id].to_string()])
@@ -111,9 +127,9 @@ impl ProcessCluster {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(io(format!("starting {}", s.binary.display())))?;
+            .kill_on_drop(true);
+        die_with_parent(&mut command);
+        let child = command.spawn().map_err(io(format!("starting {}", s.binary.display())))?;
         self.children.insert(id, Some(child));
         Ok(())
     }

@@ -51,9 +51,10 @@ impl StdoutSink {
     fn print(line: &Line) {
         if let Ok(json) = serde_json::to_string(line) {
             let mut out = std::io::stdout().lock();
-            // A parent that stopped reading has ended the run; nothing to do about it here.
-            let _ = writeln!(out, "{json}");
-            let _ = out.flush();
+            if writeln!(out, "{json}").and_then(|()| out.flush()).is_err() {
+                // The harness stopped reading: the run is over, and so is this worker.
+                std::process::exit(0);
+            }
         }
     }
 }
@@ -69,7 +70,7 @@ impl Sink for StdoutSink {
 
 /// The body of `tenure nemesis-worker`: joins, then works until it is killed.
 pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
-    let clock = Clock::from_monotonic_ns(args.epoch_ns);
+    let clock = Clock::from_monotonic_ns(args.epoch_ns)?;
     let store = Arc::new(RemoteStore::new(&args.store).map_err(|e| e.to_string())?);
     let mut task = SlotTask::new(
         args.name,
@@ -81,8 +82,7 @@ pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
         args.write_interval,
     );
     task.rejoin().await?;
-    task.run_checking_before_work().await;
-    Ok(())
+    task.run_checking_before_work().await
 }
 
 /// The harness's side of a worker process.
@@ -139,26 +139,36 @@ impl ProcessSlot {
             .append(true)
             .open(&self.log)
             .map_err(|e| format!("opening {}: {e}", self.log.display()))?;
-        let mut child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        command
             .args(&self.command)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
+            .kill_on_drop(true);
+        super::processes::die_with_parent(&mut command);
+        let mut child = command.spawn().map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
         let stdout = child.stdout.take().ok_or("no stdout")?;
         let (view, records, name) = (self.view.clone(), self.records.clone(), self.name.clone());
         let reader = tokio::spawn(async move {
             let mut lines = tokio::io::BufReader::new(stdout).lines();
-            while let Ok(Some(line)) = lines.next_line().await {
-                match serde_json::from_str::<Line>(&line) {
-                    Ok(Line::Record(r)) => records.lock().expect("worker records poisoned").push(r),
-                    Ok(Line::View(v)) => *view.lock().expect("slot view poisoned") = v,
-                    Err(e) => tracing::warn!(worker = %name, error = %e, %line, "unreadable worker line"),
+            loop {
+                match lines.next_line().await {
+                    Ok(Some(line)) => match serde_json::from_str::<Line>(&line) {
+                        Ok(Line::Record(r)) => records.lock().expect("worker records poisoned").push(r),
+                        Ok(Line::View(v)) => *view.lock().expect("slot view poisoned") = v,
+                        Err(e) => tracing::warn!(worker = %name, error = %e, %line, "unreadable worker line"),
+                    },
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::warn!(worker = %name, error = %e, "cannot read the worker's output");
+                        break;
+                    }
                 }
             }
+            // Killed, or gone by itself (see its log): either way it believes nothing now.
+            *view.lock().expect("slot view poisoned") = View::default();
         });
         Ok((child, reader))
     }

@@ -203,16 +203,24 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     /// The loop of a worker process: take in events, check which leases are believed, spend a
     /// write interval "working", then write under each of those tokens. A SIGSTOP during the
     /// work makes the writes late, as a GC pause between check and write would.
-    pub(crate) async fn run_checking_before_work(mut self) {
+    ///
+    /// Each write is recorded as one operation from its check to its end, with the lease
+    /// believed at the check, so the belief counts from when the worker held it. Returns only
+    /// if the worker lost its session and could not join again.
+    pub(crate) async fn run_checking_before_work(mut self) -> Result<(), String> {
         loop {
             self.follow_events().await;
+            if self.worker.is_none() {
+                return Err(format!("{} could not join again", self.name));
+            }
+            let checked_at = self.clock.now_ns();
             let checked: Vec<(PartitionHandle, Instant)> =
                 self.handles.values().filter_map(|h| Self::belief(h).map(|b| (h.clone(), b))).collect();
             self.publish();
             tokio::time::sleep(self.interval).await;
             for (h, belief) in checked {
                 if self.handles.get(&h.partition()).is_some_and(|held| held.token() == h.token()) {
-                    self.write(&h, Some(belief)).await;
+                    self.write_from(checked_at, &h, Some(belief)).await;
                 }
             }
         }
@@ -320,9 +328,14 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     }
 
     async fn write(&mut self, h: &PartitionHandle, belief: Option<Instant>) {
+        let start = self.clock.now_ns();
+        self.write_from(start, h, belief).await;
+    }
+
+    /// One write, recorded as an operation that began at `start` (on the run's clock).
+    async fn write_from(&mut self, start: u64, h: &PartitionHandle, belief: Option<Instant>) {
         self.writes += 1;
         let value = format!("{}:{}:{}", self.name, h.token(), self.writes);
-        let start = self.clock.now_ns();
         match h.write(&*self.store, b"k", value.as_bytes()).await {
             Ok(()) => self.record(h, WorkerOp::Wrote, start, belief),
             Err(FenceError::Stale { .. }) => {

@@ -112,18 +112,36 @@ async fn renew(
     })
 }
 
+/// Sends one item of a stream, unless the node stops first; `false` when the stream is over
+/// (the caller hung up or the node is stopping), so no task waits on a reader that stopped
+/// reading past the node's end.
+async fn send_or_stop<T>(
+    tx: &mpsc::Sender<Result<T, Status>>,
+    item: Result<T, Status>,
+    stopping: &tokio_util::sync::CancellationToken,
+) -> bool {
+    tokio::select! {
+        _ = stopping.cancelled() => false,
+        sent = tx.send(item) => sent.is_ok(),
+    }
+}
+
 /// Reads the next heartbeat of a stream and renews it; `None` when the worker closed the stream.
-/// A message that cannot be read is answered with an error, which ends the stream.
+/// A message that cannot be read is answered with an error, which ends the stream; so is a
+/// stream left silent for two TTLs (its session has expired by then anyway), so that a frozen
+/// worker does not hold a stream forever.
 async fn next_renewal(
     node: &Node,
     inbound: &mut tonic::Streaming<proto::HeartbeatRequest>,
 ) -> Option<Result<proto::HeartbeatResponse, Status>> {
-    match inbound.message().await {
-        Ok(Some(request)) => Some(renew(node, request, Instant::now()).await),
-        Ok(None) => None,
-        Err(status) => {
+    let idle = node.config.lease_ttl * 2;
+    match tokio::time::timeout(idle, inbound.message()).await {
+        Ok(Ok(Some(request))) => Some(renew(node, request, Instant::now()).await),
+        Ok(Ok(None)) => None,
+        Ok(Err(status)) => {
             Some(Err(Status::invalid_argument(format!("unreadable heartbeat: {}", status.message()))))
         }
+        Err(_) => Some(Err(Status::deadline_exceeded(format!("no heartbeat for {idle:?}")))),
     }
 }
 
@@ -170,7 +188,7 @@ impl Coordinator for CoordinatorService {
         req: Request<tonic::Streaming<proto::HeartbeatRequest>>,
     ) -> Result<Response<HeartbeatsStream>, Status> {
         self.node.ensure_leader()?;
-        let permit = self.node.stream_permit()?;
+        let permit = self.node.stream_permit(true)?;
         let mut inbound = req.into_inner();
         // One answer in flight per stream: a worker sends its next heartbeat after the answer.
         let (tx, rx) = mpsc::channel(1);
@@ -277,14 +295,19 @@ impl Coordinator for CoordinatorService {
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
             (applied.state.owned_by(session), index)
         };
-        let permit = self.node.stream_permit()?;
+        let permit = self.node.stream_permit(false)?;
         let (tx, rx) = mpsc::channel(1024);
         let service = CoordinatorService { node: self.node.clone() };
         tokio::spawn(async move {
             let _permit = permit;
             for (partition, record) in initial {
                 let kind = if record.revoking { Kind::Revoking } else { Kind::Assigned };
-                if tx.send(Ok(service.event_for(kind, partition, record.token.0, from_index))).await.is_err()
+                if !send_or_stop(
+                    &tx,
+                    Ok(service.event_for(kind, partition, record.token.0, from_index)),
+                    &service.node.stopping,
+                )
+                .await
                 {
                     return;
                 }
@@ -301,13 +324,21 @@ impl Coordinator for CoordinatorService {
                 let applied = match received {
                     Ok(applied) => applied,
                     Err(broadcast::error::RecvError::Lagged(_)) => {
-                        let _ = tx
-                            .send(Err(Status::aborted("watch fell behind; reconnect to resynchronise")))
-                            .await;
+                        send_or_stop(
+                            &tx,
+                            Err(Status::aborted("watch fell behind; reconnect to resynchronise")),
+                            &service.node.stopping,
+                        )
+                        .await;
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => {
-                        let _ = tx.send(Err(Status::unavailable("node is shutting down"))).await;
+                        send_or_stop(
+                            &tx,
+                            Err(Status::unavailable("node is shutting down")),
+                            &service.node.stopping,
+                        )
+                        .await;
                         return;
                     }
                 };
@@ -329,12 +360,17 @@ impl Coordinator for CoordinatorService {
                             service.event_for(Kind::Released, partition, token.0, applied.index)
                         }
                         Event::SessionEnded { session: s } if s == session => {
-                            let _ = tx.send(Err(Status::not_found(format!("session {session} ended")))).await;
+                            send_or_stop(
+                                &tx,
+                                Err(Status::not_found(format!("session {session} ended"))),
+                                &service.node.stopping,
+                            )
+                            .await;
                             return;
                         }
                         _ => continue,
                     };
-                    if tx.send(Ok(out)).await.is_err() {
+                    if !send_or_stop(&tx, Ok(out), &service.node.stopping).await {
                         return; // the worker hung up
                     }
                 }
@@ -347,7 +383,7 @@ impl Coordinator for CoordinatorService {
 
     async fn routes(&self, _req: Request<proto::RoutesRequest>) -> Result<Response<RoutesStream>, Status> {
         self.node.ensure_leader()?;
-        let permit = self.node.stream_permit()?;
+        let permit = self.node.stream_permit(false)?;
         let mut events = self.node.sm.subscribe();
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
@@ -361,7 +397,7 @@ impl Coordinator for CoordinatorService {
         tokio::spawn(async move {
             let _permit = permit;
             for row in initial {
-                if tx.send(Ok(row)).await.is_err() {
+                if !send_or_stop(&tx, Ok(row), &node.stopping).await {
                     return;
                 }
             }
@@ -377,7 +413,12 @@ impl Coordinator for CoordinatorService {
                 let applied = match received {
                     Ok(applied) => applied,
                     Err(_) => {
-                        let _ = tx.send(Err(Status::aborted("routes fell behind; reconnect"))).await;
+                        send_or_stop(
+                            &tx,
+                            Err(Status::aborted("routes fell behind; reconnect")),
+                            &node.stopping,
+                        )
+                        .await;
                         return;
                     }
                 };
@@ -400,7 +441,7 @@ impl Coordinator for CoordinatorService {
                         .collect()
                 };
                 for row in rows {
-                    if tx.send(Ok(row)).await.is_err() {
+                    if !send_or_stop(&tx, Ok(row), &node.stopping).await {
                         return;
                     }
                 }

@@ -64,6 +64,10 @@ pub struct NodeConfig {
     pub max_streams: usize,
 }
 
+/// How often the server pings an HTTP/2 connection, and how long it waits for the answer.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
+
 impl NodeConfig {
     /// A configuration with the defaults for everything but identity and placement.
     pub fn new(id: NodeId, peers: BTreeMap<NodeId, String>, data_dir: PathBuf) -> Self {
@@ -151,8 +155,10 @@ pub struct Node {
     pub(crate) stopping: CancellationToken,
     /// Role and leader, as openraft last reported them (kept, so a request needs no new handle).
     server_metrics: tokio::sync::watch::Receiver<openraft::metrics::RaftServerMetrics<NodeId, BasicNode>>,
-    /// One permit per open stream (see [`NodeConfig::max_streams`]).
+    /// One permit per open ownership or route stream (see [`NodeConfig::max_streams`]).
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
+    /// One permit per open heartbeat stream.
+    pub(crate) heartbeat_streams: Arc<tokio::sync::Semaphore>,
 }
 
 impl Node {
@@ -164,9 +170,14 @@ impl Node {
         self.sm.subscribe()
     }
 
-    /// A permit for one more stream, held for as long as the stream is served.
-    pub(crate) fn stream_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, CoordinatorError> {
-        self.streams
+    /// A permit for one more ownership or route stream (`heartbeats: false`) or heartbeat
+    /// stream, held for as long as the stream is served.
+    pub(crate) fn stream_permit(
+        &self,
+        heartbeats: bool,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, CoordinatorError> {
+        let budget = if heartbeats { &self.heartbeat_streams } else { &self.streams };
+        budget
             .clone()
             .try_acquire_owned()
             .map_err(|_| CoordinatorError::TooManyStreams { limit: self.config.max_streams })
@@ -306,6 +317,7 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
         renewals,
         stopping: cancel.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         server_metrics: raft.server_metrics(),
     });
     let mut tasks = Vec::new();
@@ -322,6 +334,10 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
         // (about 40 ms on Linux), which would be most of a planned move.
         let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let result = tonic::transport::Server::builder()
+            // A peer that stops answering pings (a frozen or vanished worker) loses its
+            // connection, and with it the streams and permits it held.
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(coordinator)
             .add_service(transport)
             .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())

@@ -94,6 +94,9 @@ struct Inner {
     channels: std::collections::HashMap<String, Channel>,
 }
 
+/// How long one try of [`Client::call`] may take before the client moves to another node.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Client {
     /// A client for the given `host:port` addresses; nothing connects until the first call.
     pub fn new(addrs: Vec<String>) -> Result<Client, ClientError> {
@@ -172,9 +175,16 @@ impl Client {
             .build();
         loop {
             let (addr, channel) = self.channel()?;
-            let status = match f(CoordinatorClient::new(channel)).await {
-                Ok(reply) => return Ok(reply.into_inner()),
-                Err(status) => status,
+            let status = match tokio::time::timeout(ATTEMPT_TIMEOUT, f(CoordinatorClient::new(channel))).await
+            {
+                Ok(Ok(reply)) => return Ok(reply.into_inner()),
+                Ok(Err(status)) => status,
+                Err(_) => {
+                    self.avoid(&addr);
+                    tonic::Status::deadline_exceeded(format!(
+                        "{addr} did not answer within {ATTEMPT_TIMEOUT:?}"
+                    ))
+                }
             };
             let redirected = self.judge(&status, &addr)?;
             match delays.next() {
@@ -187,8 +197,13 @@ impl Client {
 
     /// Like [`Client::call`], but never sleeps: it follows redirects and moves past nodes that
     /// cannot serve, visiting each known node about once, and returns the address that answered.
-    /// For callers that pace their own retries against a deadline, such as heartbeats.
-    pub(crate) async fn call_without_waiting<T, F, Fut>(&self, mut f: F) -> Result<(String, T), ClientError>
+    /// Each node gets `per_node` to answer before the client moves on to the next. For callers
+    /// that pace their own retries against a deadline, such as heartbeats.
+    pub(crate) async fn call_without_waiting<T, F, Fut>(
+        &self,
+        per_node: Duration,
+        mut f: F,
+    ) -> Result<(String, T), ClientError>
     where
         F: FnMut(CoordinatorClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
@@ -197,11 +212,15 @@ impl Client {
         let mut last = String::from("no coordinator address");
         for _ in 0..hops {
             let (addr, channel) = self.channel()?;
-            match f(CoordinatorClient::new(channel)).await {
-                Ok(reply) => return Ok((addr, reply.into_inner())),
-                Err(status) => {
+            match tokio::time::timeout(per_node, f(CoordinatorClient::new(channel))).await {
+                Ok(Ok(reply)) => return Ok((addr, reply.into_inner())),
+                Ok(Err(status)) => {
                     self.judge(&status, &addr)?;
                     last = format!("{addr}: {}", status.message());
+                }
+                Err(_) => {
+                    self.avoid(&addr);
+                    last = format!("{addr}: no answer within {per_node:?}");
                 }
             }
         }
@@ -225,16 +244,8 @@ impl Client {
         Ok(redirected)
     }
 
-    /// Moves away from the node the next call would try, which stopped answering.
-    pub(crate) fn avoid_current(&self) {
-        let current = {
-            let inner = self.inner.lock().expect("client lock poisoned");
-            inner.addrs[inner.current % inner.addrs.len()].clone()
-        };
-        self.follow(None, &current);
-    }
-
-    /// Moves away from `addr`, which stopped answering; the next call tries another node.
+    /// Moves away from `addr`, which stopped answering; its connection is dropped, so the next
+    /// one to it is new.
     pub(crate) fn avoid(&self, addr: &str) {
         self.follow(None, addr);
     }

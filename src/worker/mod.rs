@@ -187,9 +187,9 @@ struct HeartbeatStream {
 impl HeartbeatStream {
     /// Opens a stream on the leader, following redirects but never waiting: the heartbeat loop
     /// paces its own retries against the lease deadline.
-    async fn open(client: &Client) -> Result<HeartbeatStream, ClientError> {
+    async fn open(client: &Client, per_node: Duration) -> Result<HeartbeatStream, ClientError> {
         let (addr, (requests, answers)) = client
-            .call_without_waiting(|mut c| async move {
+            .call_without_waiting(per_node, |mut c| async move {
                 let (requests, outgoing) = mpsc::channel(1);
                 let answers = c.heartbeats(tokio_stream::wrappers::ReceiverStream::new(outgoing)).await?;
                 Ok(answers.map(|answers| (requests, answers)))
@@ -232,14 +232,30 @@ pub(crate) struct Shared {
     ttl: Duration,
     margin: Duration,
     kick: Notify,
-    /// Raised by the heartbeat loop after it recovered from a failure: reopen the ownership stream.
+    /// Raised when the heartbeats are answered by another node than the one the ownership
+    /// stream is on: reopen the stream.
     moved: Notify,
+    /// The node the ownership stream is open on, if it is open.
+    watching: Mutex<Option<String>>,
     session_over: CancellationToken,
 }
 
 impl Shared {
     fn emit(&self, event: WorkerEvent) {
         let _ = self.events.send(event);
+    }
+
+    fn watching_at(&self, addr: Option<&str>) {
+        *self.watching.lock().expect("worker lock poisoned") = addr.map(str::to_string);
+    }
+
+    /// The heartbeats were answered at `addr`: if the ownership stream is open elsewhere, it
+    /// is told to move too.
+    fn heartbeats_at(&self, addr: &str) {
+        let watching = self.watching.lock().expect("worker lock poisoned");
+        if watching.as_deref().is_some_and(|w| w != addr) {
+            self.moved.notify_one();
+        }
     }
 
     fn renewed(self: &Arc<Self>, sent: Instant, renewed: &[proto::PartitionLease]) {
@@ -572,6 +588,9 @@ async fn leave_session(client: &Client, session: SessionId, secret: String) -> R
 impl Worker {
     /// Joins the cluster and starts heartbeating and watching.
     pub async fn join(config: WorkerConfig) -> Result<Worker, ClientError> {
+        if config.heartbeat_interval.is_some_and(|i| i.is_zero()) {
+            return Err(ClientError::InvalidArgument("the heartbeat interval must be positive".into()));
+        }
         let client = Client::new(config.coordinators.clone())?.dialing_from(config.dial_from);
         let request = proto::JoinRequest { name: config.name.clone(), weight: config.weight };
         let joined = client
@@ -581,6 +600,21 @@ impl Worker {
             })
             .await?;
         let ttl = Duration::from_millis(joined.lease_ttl_ms);
+        let margin = config.safety_margin.unwrap_or(ttl / 5);
+        let every = config.heartbeat_interval.unwrap_or(ttl / 4);
+        if margin >= ttl || every >= ttl - margin {
+            // Leases would lapse between heartbeats: give the new session back, then refuse.
+            let leave = proto::LeaveRequest { session_id: joined.session_id, secret: joined.secret.clone() };
+            let _ = client
+                .call(|mut c| {
+                    let leave = leave.clone();
+                    async move { c.leave(leave).await }
+                })
+                .await;
+            return Err(ClientError::InvalidArgument(format!(
+                "heartbeat interval {every:?} and safety margin {margin:?} do not fit the cluster's lease TTL {ttl:?}"
+            )));
+        }
         let keyspace =
             KeySpace::new(joined.partition_count).map_err(|e| ClientError::Other(e.to_string()))?;
         let (tx, rx) = mpsc::unbounded_channel();
@@ -591,9 +625,10 @@ impl Worker {
             events: tx,
             keyspace,
             ttl,
-            margin: config.safety_margin.unwrap_or(ttl / 5),
+            margin,
             kick: Notify::new(),
             moved: Notify::new(),
+            watching: Mutex::new(None),
             session_over: cancel.child_token(),
         });
         let worker = Worker {
@@ -605,7 +640,6 @@ impl Worker {
             cancel,
             left: std::sync::atomic::AtomicBool::new(false),
         };
-        let every = config.heartbeat_interval.unwrap_or(ttl / 4);
         tokio::spawn(worker.heartbeat_loop(every));
         tokio::spawn(worker.watch_loop());
         tokio::spawn(worker.deadline_loop());
@@ -699,14 +733,15 @@ impl Worker {
 
     /// Renews the session every `every` (or at once when the stream names a new grant), over one
     /// long-lived stream to the leader, one heartbeat outstanding at a time. Each answer extends
-    /// the leases from the instant its heartbeat was sent. A stream that fails, ends, or leaves a
-    /// heartbeat unanswered for half a TTL is dropped and opened again (to whichever node now
-    /// leads); meanwhile the deadline task lets leases run out.
-    /// Renews the session every `every`. One attempt (finding the leader, opening the stream if
-    /// there is none, one heartbeat and its answer) is bounded by half a TTL; a failed attempt is
-    /// retried soon, backing off from 20 ms up to `every`, and a node that let an attempt time out
-    /// is avoided next time. So a frozen or dead leader costs at most one bounded attempt, and the
-    /// worker reaches a new leader well within the TTL that leader starts every lease with.
+    /// the leases from the instant its heartbeat was sent; meanwhile the deadline task lets
+    /// leases run out.
+    ///
+    /// One attempt (finding the leader, a sixth of a TTL per node tried, opening the stream if
+    /// there is none, one heartbeat and its answer) is bounded by half a TTL. A failed attempt
+    /// drops the stream and is retried soon, backing off from 20 ms up to `every`; a node that let
+    /// a heartbeat go unanswered is moved away from. So a frozen or dead leader costs one bounded
+    /// attempt, and the worker reaches a new leader well within the TTL that leader starts every
+    /// lease with.
     fn heartbeat_loop(&self, every: Duration) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
         let request = proto::HeartbeatRequest { session_id: self.session.0, secret: self.secret.clone() };
@@ -714,12 +749,12 @@ impl Worker {
         async move {
             let mut stream: Option<HeartbeatStream> = None;
             let mut retry = RETRY_FIRST.min(every);
-            let mut failed_since_renewal = false;
+            let mut failing = false;
             loop {
                 let sent = Instant::now();
                 let attempt = async {
                     if stream.is_none() {
-                        stream = Some(HeartbeatStream::open(&client).await?);
+                        stream = Some(HeartbeatStream::open(&client, patience / 3).await?);
                     }
                     stream.as_mut().expect("opened above").beat(&client, request.clone()).await
                 };
@@ -728,21 +763,21 @@ impl Worker {
                     _ = shared.session_over.cancelled() => return,
                     r = tokio::time::timeout(patience, attempt) => r,
                 };
+                let timed_out = result.is_err();
                 let outcome = result.unwrap_or_else(|_| {
-                    match &stream {
-                        Some(s) => client.avoid(&s.addr),
-                        None => client.avoid_current(),
+                    if let Some(s) = &stream {
+                        client.avoid(&s.addr);
                     }
                     Err(ClientError::Unavailable(format!("no heartbeat answer within {patience:?}")))
                 });
                 let pause = match outcome {
                     Ok(reply) => {
                         shared.renewed(sent, &reply.renewed);
-                        if std::mem::take(&mut failed_since_renewal) {
-                            // The ownership stream may be stuck on the node that failed us too.
-                            shared.moved.notify_one();
-                        }
+                        failing = false;
                         retry = RETRY_FIRST.min(every);
+                        if let Some(s) = &stream {
+                            shared.heartbeats_at(&s.addr);
+                        }
                         every
                     }
                     Err(e) if e.is_session_gone() => {
@@ -750,16 +785,17 @@ impl Worker {
                         return;
                     }
                     Err(e) => {
-                        if failed_since_renewal {
+                        if failing {
                             tracing::debug!(error = %e, "heartbeat failed again");
                         } else {
                             tracing::warn!(error = %e, "heartbeat failed; retrying");
                         }
                         stream = None;
-                        failed_since_renewal = true;
-                        let pause = retry;
+                        failing = true;
+                        // After a timeout, half a TTL has gone by already: try again at once.
+                        let pause = if timed_out { RETRY_FIRST } else { retry };
                         retry = (retry * 2).min(every);
-                        pause
+                        pause.min(every)
                     }
                 };
                 tokio::select! {
@@ -772,6 +808,9 @@ impl Worker {
         }
     }
 
+    /// Follows the session's ownership stream, reopening it when it ends, and also when the
+    /// heartbeats have moved to another node than the one it is on (which may be frozen or cut
+    /// off without the connection saying so).
     fn watch_loop(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
         let request = proto::WatchRequest { session_id: self.session.0, secret: self.secret.clone() };
@@ -780,7 +819,7 @@ impl Worker {
                 (shared.ttl / 2, (shared.ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));
             let mut pause = RETRY_FIRST;
             loop {
-                let opened = client.call_without_waiting(|mut c| {
+                let opened = client.call_without_waiting(patience / 3, |mut c| {
                     let request = request.clone();
                     async move { c.watch(request).await }
                 });
@@ -788,20 +827,20 @@ impl Worker {
                     _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
                     s = tokio::time::timeout(patience, opened) => s.unwrap_or_else(|_| {
-                        client.avoid_current();
                         Err(ClientError::Unavailable(format!("no ownership stream within {patience:?}")))
                     }),
                 };
                 match stream {
-                    Ok((_, mut stream)) => {
+                    Ok((addr, mut stream)) => {
                         pause = RETRY_FIRST;
+                        shared.watching_at(Some(&addr));
                         loop {
                             let next = tokio::select! {
                                 _ = cancel.cancelled() => return,
                                 _ = shared.session_over.cancelled() => return,
                                 n = stream.next() => n,
                                 _ = shared.moved.notified() => {
-                                    tracing::debug!("heartbeats moved; reopening the ownership stream");
+                                    tracing::debug!("heartbeats moved to another node; reopening the ownership stream");
                                     break;
                                 }
                             };
@@ -814,6 +853,7 @@ impl Worker {
                                 None => break,
                             }
                         }
+                        shared.watching_at(None);
                     }
                     Err(e) if e.is_session_gone() => return, // the heartbeat loop reports it
                     Err(e) => tracing::warn!(error = %e, "cannot open the ownership stream"),
@@ -863,6 +903,7 @@ mod tests {
             margin: Duration::from_millis(200),
             kick: Notify::new(),
             moved: Notify::new(),
+            watching: Mutex::new(None),
             session_over: CancellationToken::new(),
         });
         (shared, rx)
