@@ -19,6 +19,8 @@
 //! - `kill-leader`, `kill-follower`: a node dies abruptly (`kill -9` of its process) and restarts
 //!   on the same data.
 //! - `kill-all`: every node dies at once, then all restart.
+//! - `slow-network`: every link to every node (workers' and peers') holds each chunk back by
+//!   the same delay, a few milliseconds to half an election timeout each way.
 //!
 //! Three streams are recorded on one monotonic clock: every replica's applied decisions, every
 //! worker operation, and the store's decisions in the order it applied them. After the last
@@ -75,10 +77,11 @@ pub enum FaultKind {
     KillLeader,
     KillFollower,
     KillAll,
+    SlowNetwork,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 9] = [
+    pub const ALL: [FaultKind; 10] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
@@ -88,6 +91,7 @@ impl FaultKind {
         FaultKind::KillLeader,
         FaultKind::KillFollower,
         FaultKind::KillAll,
+        FaultKind::SlowNetwork,
     ];
 
     pub fn name(self) -> &'static str {
@@ -101,6 +105,7 @@ impl FaultKind {
             FaultKind::KillLeader => "kill-leader",
             FaultKind::KillFollower => "kill-follower",
             FaultKind::KillAll => "kill-all",
+            FaultKind::SlowNetwork => "slow-network",
         }
     }
 
@@ -674,6 +679,18 @@ async fn inject(
             tokio::time::sleep(cut).await;
             heal_all(cluster);
             Ok(format!("{} node {leader} for {} ms", kind.name(), cut.as_millis()))
+        }
+        FaultKind::SlowNetwork => {
+            // From a few milliseconds, which the cluster should ride out, to half an election
+            // timeout each way, which times out every Raft append and every renewal.
+            let delay = jitter(rng, Duration::from_millis(5), config.election_timeout / 2);
+            let held = jitter(rng, ttl, ttl * 2);
+            for id in cluster.ids() {
+                cluster.proxy(id).expect("proxied").delay(delay);
+            }
+            tokio::time::sleep(held).await;
+            heal_all(cluster);
+            Ok(format!("{} {} ms each way for {} ms", kind.name(), delay.as_millis(), held.as_millis()))
         }
         FaultKind::KillLeader | FaultKind::KillFollower | FaultKind::KillAll => {
             let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;

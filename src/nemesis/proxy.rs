@@ -3,12 +3,18 @@
 //! (nodes from `127.0.1.<id>`, workers from `127.0.2.<n>`), so the proxy knows who is calling
 //! by the source address alone. Blocking a source cuts its open connections and refuses new
 //! ones until healed: the caller sees resets, then timeouts of its retries, as across a broken
-//! link.
+//! link. A delay holds every chunk back by that long in both directions, order kept, as on a
+//! slow or congested link (TCP turns loss into such delay).
 
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
 use tokio::task::{AbortHandle, JoinHandle};
 
 #[derive(Default)]
@@ -21,6 +27,8 @@ struct Links {
 pub struct FaultProxy {
     addr: SocketAddr,
     links: Arc<Mutex<Links>>,
+    /// Added to every chunk in flight, in microseconds.
+    delay_us: Arc<AtomicU64>,
     accept: JoinHandle<()>,
 }
 
@@ -30,8 +38,9 @@ impl FaultProxy {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let links = Arc::new(Mutex::new(Links::default()));
-        let accept = tokio::spawn(accept_loop(listener, target, links.clone()));
-        Ok(FaultProxy { addr, links, accept })
+        let delay_us = Arc::new(AtomicU64::new(0));
+        let accept = tokio::spawn(accept_loop(listener, target, links.clone(), delay_us.clone()));
+        Ok(FaultProxy { addr, links, delay_us, accept })
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -52,9 +61,15 @@ impl FaultProxy {
         });
     }
 
-    /// Lets every source through again.
+    /// Holds every chunk sent from now on, either way, back by `delay` (zero: none).
+    pub fn delay(&self, delay: Duration) {
+        self.delay_us.store(delay.as_micros() as u64, Ordering::Relaxed);
+    }
+
+    /// Lets every source through again, without delay.
     pub fn heal(&self) {
         self.links.lock().expect("proxy lock poisoned").blocked.clear();
+        self.delay(Duration::ZERO);
     }
 }
 
@@ -67,22 +82,53 @@ impl Drop for FaultProxy {
     }
 }
 
-async fn accept_loop(listener: TcpListener, target: SocketAddr, links: Arc<Mutex<Links>>) {
+async fn accept_loop(
+    listener: TcpListener,
+    target: SocketAddr,
+    links: Arc<Mutex<Links>>,
+    delay_us: Arc<AtomicU64>,
+) {
     loop {
         let Ok((inbound, peer)) = listener.accept().await else { continue };
         let mut guard = links.lock().expect("proxy lock poisoned");
         if guard.blocked.contains(&peer.ip()) {
             continue; // dropping the stream refuses the connection
         }
-        let task = tokio::spawn(forward(inbound, target));
+        let task = tokio::spawn(forward(inbound, target, delay_us.clone()));
         guard.open.retain(|(_, t)| !t.is_finished());
         guard.open.push((peer.ip(), task.abort_handle()));
     }
 }
 
-async fn forward(mut inbound: TcpStream, target: SocketAddr) {
-    let Ok(mut outbound) = TcpStream::connect(target).await else { return };
+async fn forward(inbound: TcpStream, target: SocketAddr, delay_us: Arc<AtomicU64>) {
+    let Ok(outbound) = TcpStream::connect(target).await else { return };
     let _ = inbound.set_nodelay(true);
     let _ = outbound.set_nodelay(true);
-    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+    let (from_caller, to_caller) = inbound.into_split();
+    let (from_node, to_node) = outbound.into_split();
+    tokio::join!(pipe(from_caller, to_node, delay_us.clone()), pipe(from_node, to_caller, delay_us));
+}
+
+/// Copies one direction until it ends, each chunk due the proxy's delay after it was read.
+async fn pipe(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay_us: Arc<AtomicU64>) {
+    let (chunks, mut due) = mpsc::channel::<(Instant, Vec<u8>)>(256);
+    let read = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n @ 1..) = from.read(&mut buf).await {
+            let at = Instant::now() + Duration::from_micros(delay_us.load(Ordering::Relaxed));
+            if chunks.send((at, buf[..n].to_vec())).await.is_err() {
+                break;
+            }
+        }
+    };
+    let write = async move {
+        while let Some((at, chunk)) = due.recv().await {
+            tokio::time::sleep_until(at.into()).await;
+            if to.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+        let _ = to.shutdown().await;
+    };
+    tokio::join!(read, write);
 }
