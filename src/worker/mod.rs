@@ -49,6 +49,20 @@ use tokio_util::sync::CancellationToken;
 /// The first pause after a failed heartbeat or stream; pauses double from here.
 const RETRY_FIRST: Duration = Duration::from_millis(20);
 
+/// Pauses between retries: from [`RETRY_FIRST`], doubling up to `most`, with jitter so that
+/// many workers cut off together do not come back in step; endless (the caller starts a new
+/// one after a success).
+fn retry_pauses(most: Duration) -> impl Iterator<Item = Duration> {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::new()
+        .with_min_delay(RETRY_FIRST.min(most))
+        .with_max_delay(most)
+        .with_jitter()
+        .without_max_times()
+        .build()
+        .map(move |d| d.min(most))
+}
+
 /// How a worker joins and how cautious it is. [`WorkerConfig::new`] sets weight 1 and leaves the
 /// timings to their defaults, which follow the cluster's lease TTL.
 ///
@@ -738,7 +752,7 @@ impl Worker {
     ///
     /// One attempt (finding the leader, a sixth of a TTL per node tried, opening the stream if
     /// there is none, one heartbeat and its answer) is bounded by half a TTL. A failed attempt
-    /// drops the stream and is retried soon, backing off from 20 ms up to `every`; a node that let
+    /// drops the stream and is retried soon, backing off (with jitter) from 20 ms up to `every`; a node that let
     /// a heartbeat go unanswered is moved away from. So a frozen or dead leader costs one bounded
     /// attempt, and the worker reaches a new leader well within the TTL that leader starts every
     /// lease with.
@@ -748,7 +762,7 @@ impl Worker {
         let patience = shared.ttl / 2;
         async move {
             let mut stream: Option<HeartbeatStream> = None;
-            let mut retry = RETRY_FIRST.min(every);
+            let mut retries = retry_pauses(every);
             let mut failing = false;
             loop {
                 let sent = Instant::now();
@@ -774,7 +788,7 @@ impl Worker {
                     Ok(reply) => {
                         shared.renewed(sent, &reply.renewed);
                         failing = false;
-                        retry = RETRY_FIRST.min(every);
+                        retries = retry_pauses(every);
                         if let Some(s) = &stream {
                             shared.heartbeats_at(&s.addr);
                         }
@@ -793,9 +807,12 @@ impl Worker {
                         stream = None;
                         failing = true;
                         // After a timeout, half a TTL has gone by already: try again at once.
-                        let pause = if timed_out { RETRY_FIRST } else { retry };
-                        retry = (retry * 2).min(every);
-                        pause.min(every)
+                        let pause = retries.next().unwrap_or(every);
+                        if timed_out {
+                            RETRY_FIRST.min(pause)
+                        } else {
+                            pause
+                        }
                     }
                 };
                 tokio::select! {
@@ -817,7 +834,7 @@ impl Worker {
         async move {
             let (patience, most) =
                 (shared.ttl / 2, (shared.ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));
-            let mut pause = RETRY_FIRST;
+            let mut pauses = retry_pauses(most);
             loop {
                 let opened = client.call_without_waiting(patience / 3, |mut c| {
                     let request = request.clone();
@@ -832,7 +849,7 @@ impl Worker {
                 };
                 match stream {
                     Ok((addr, mut stream)) => {
-                        pause = RETRY_FIRST;
+                        pauses = retry_pauses(most);
                         shared.watching_at(Some(&addr));
                         loop {
                             let next = tokio::select! {
@@ -858,11 +875,11 @@ impl Worker {
                     Err(e) if e.is_session_gone() => return, // the heartbeat loop reports it
                     Err(e) => tracing::warn!(error = %e, "cannot open the ownership stream"),
                 }
+                let pause = pauses.next().unwrap_or(most);
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}
                 }
-                pause = (pause * 2).min(most);
             }
         }
     }
