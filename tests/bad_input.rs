@@ -145,6 +145,22 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_heartbeat_stream_is_ended_after_two_ttls() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.leader().unwrap();
+    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let (_keep_open, rx) = tokio::sync::mpsc::channel::<proto::HeartbeatRequest>(1);
+    let opened = std::time::Instant::now();
+    let mut answers =
+        client.heartbeats(tokio_stream::wrappers::ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let err = tokio::time::timeout(PATIENCE, answers.message()).await.expect("ended").unwrap_err();
+    assert_eq!(err.code(), Code::DeadlineExceeded, "{err:?}");
+    assert!(opened.elapsed() >= TTL * 2, "ended after {:?}, before two TTLs", opened.elapsed());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_timings_that_cannot_keep_a_lease_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;

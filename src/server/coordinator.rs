@@ -134,7 +134,12 @@ async fn next_renewal(
     node: &Node,
     inbound: &mut tonic::Streaming<proto::HeartbeatRequest>,
 ) -> Option<Result<proto::HeartbeatResponse, Status>> {
-    let idle = node.config.lease_ttl * 2;
+    // The cluster's TTL, which wins over this node's own setting when they differ.
+    let ttl = {
+        let applied = node.state.read().expect("state lock poisoned");
+        applied.state.config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms))
+    };
+    let idle = ttl.unwrap_or(node.config.lease_ttl) * 2;
     match tokio::time::timeout(idle, inbound.message()).await {
         Ok(Ok(Some(request))) => Some(renew(node, request, Instant::now()).await),
         Ok(Ok(None)) => None,
