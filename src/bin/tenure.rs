@@ -116,7 +116,8 @@ struct ServeArgs {
     /// fault runs; the log grows without bound).
     #[arg(long)]
     keep_whole_log: bool,
-    /// Most ownership, heartbeat and route streams served at once; more are refused.
+    /// Most heartbeat streams, and most ownership and route streams together, served at once;
+    /// more are refused.
     #[arg(long, env = "TENURE_MAX_STREAMS", default_value_t = 100_000)]
     max_streams: usize,
 }

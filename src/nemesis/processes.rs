@@ -60,6 +60,14 @@ pub(crate) fn die_with_parent(command: &mut Command) {
     }
 }
 
+/// Sends `signal` to a child that is still running; `false` if it could not.
+pub(crate) fn send_signal(child: &Child, signal: libc::c_int) -> bool {
+    let Some(pid) = child.id() else { return false };
+    // SAFETY: kill(2) only sends a signal to our own child, which the caller holds and has not
+    // reaped, so its pid cannot have been reused by another process.
+    unsafe { libc::kill(pid as libc::pid_t, signal) == 0 }
+}
+
 /// Nodes `1..=n` as child processes.
 pub struct ProcessCluster {
     settings: ServeSettings,
@@ -212,12 +220,9 @@ impl ProcessCluster {
 
     /// SIGSTOP (`pause = true`) or SIGCONT: the process freezes, timers and all, or wakes up.
     pub fn signal_pause(&self, id: NodeId, pause: bool) {
-        let Some(pid) = self.children.get(&id).and_then(|c| c.as_ref()).and_then(Child::id) else { return };
+        let Some(child) = self.children.get(&id).and_then(|c| c.as_ref()) else { return };
         let signal = if pause { libc::SIGSTOP } else { libc::SIGCONT };
-        // SAFETY: kill(2) only sends a signal to our own child, whose pid we hold and have not
-        // reaped, so the pid cannot have been reused by another process.
-        let rc = unsafe { libc::kill(pid as libc::pid_t, signal) };
-        if rc != 0 {
+        if !send_signal(child, signal) {
             tracing::warn!(node = id, pause, "could not signal the node process");
         }
     }

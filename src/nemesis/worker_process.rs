@@ -182,10 +182,8 @@ impl ProcessSlot {
 
     async fn signal(&self, signal: libc::c_int) {
         let running = self.running.lock().await;
-        let Some(pid) = running.as_ref().and_then(|(child, _)| child.id()) else { return };
-        // SAFETY: kill(2) only sends a signal to our own child, which we hold and have not
-        // reaped, so its pid cannot have been reused by another process.
-        if unsafe { libc::kill(pid as libc::pid_t, signal) } != 0 {
+        let Some((child, _)) = running.as_ref() else { return };
+        if !super::processes::send_signal(child, signal) {
             tracing::warn!(worker = %self.name, signal, "could not signal the worker process");
         }
     }

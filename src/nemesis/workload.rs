@@ -86,19 +86,21 @@ impl Slot {
         Ok(())
     }
 
-    pub(crate) fn session(&self) -> Option<SessionId> {
+    /// The worker's session and what its library believes it holds, as last reported.
+    pub(crate) fn view(&self) -> View {
         match self {
-            Slot::Local(s) => s.session(),
-            Slot::Process(s) => s.view().session,
+            Slot::Local(s) => s.view(),
+            Slot::Process(s) => s.view(),
         }
+    }
+
+    pub(crate) fn session(&self) -> Option<SessionId> {
+        self.view().session
     }
 
     /// What the worker library believes it holds right now.
     pub(crate) fn believed(&self) -> BTreeMap<PartitionId, FencingToken> {
-        match self {
-            Slot::Local(s) => s.believed(),
-            Slot::Process(s) => s.view().believed,
-        }
+        self.view().believed
     }
 
     /// Waits for the slot to finish after [`SlotCommand::Stop`].
@@ -145,13 +147,8 @@ impl LocalSlot {
         }
     }
 
-    pub(crate) fn session(&self) -> Option<SessionId> {
-        self.view.lock().expect("slot view poisoned").session
-    }
-
-    /// What the worker library believes it holds right now.
-    pub(crate) fn believed(&self) -> BTreeMap<PartitionId, FencingToken> {
-        self.view.lock().expect("slot view poisoned").believed.clone()
+    pub(crate) fn view(&self) -> View {
+        self.view.lock().expect("slot view poisoned").clone()
     }
 
     pub(crate) async fn join(self) {

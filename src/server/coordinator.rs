@@ -128,18 +128,12 @@ async fn send_or_stop<T>(
 
 /// Reads the next heartbeat of a stream and renews it; `None` when the worker closed the stream.
 /// A message that cannot be read is answered with an error, which ends the stream; so is a
-/// stream left silent for two TTLs (its session has expired by then anyway), so that a frozen
-/// worker does not hold a stream forever.
+/// stream left silent for `idle`, so that a frozen worker does not hold a stream forever.
 async fn next_renewal(
     node: &Node,
     inbound: &mut tonic::Streaming<proto::HeartbeatRequest>,
+    idle: std::time::Duration,
 ) -> Option<Result<proto::HeartbeatResponse, Status>> {
-    // The cluster's TTL, which wins over this node's own setting when they differ.
-    let ttl = {
-        let applied = node.state.read().expect("state lock poisoned");
-        applied.state.config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms))
-    };
-    let idle = ttl.unwrap_or(node.config.lease_ttl) * 2;
     match tokio::time::timeout(idle, inbound.message()).await {
         Ok(Ok(Some(request))) => Some(renew(node, request, Instant::now()).await),
         Ok(Ok(None)) => None,
@@ -194,6 +188,13 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<HeartbeatsStream>, Status> {
         self.node.ensure_leader()?;
         let permit = self.node.stream_permit(true)?;
+        // Two of the cluster's TTLs (which win over this node's own setting): a stream silent
+        // that long belongs to a session that has expired anyway.
+        let idle = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            let ttl = applied.state.config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms));
+            ttl.unwrap_or(self.node.config.lease_ttl) * 2
+        };
         let mut inbound = req.into_inner();
         // One answer in flight per stream: a worker sends its next heartbeat after the answer.
         let (tx, rx) = mpsc::channel(1);
@@ -209,17 +210,13 @@ impl Coordinator for CoordinatorService {
                         let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
                         return;
                     }
-                    answer = next_renewal(&node, &mut inbound) => match answer {
+                    answer = next_renewal(&node, &mut inbound, idle) => match answer {
                         Some(answer) => answer,
                         None => return, // the worker closed its side
                     },
                 };
                 let refused = answer.is_err();
-                let sent = tokio::select! {
-                    _ = node.stopping.cancelled() => return,
-                    sent = tx.send(answer) => sent.is_ok(),
-                };
-                if !sent || refused {
+                if !send_or_stop(&tx, answer, &node.stopping).await || refused {
                     return;
                 }
             }

@@ -59,8 +59,9 @@ pub struct NodeConfig {
     /// disk afterwards (the fault harness's record of `tenure serve` processes). The log then
     /// grows without bound: for test and audit runs only.
     pub keep_whole_log: bool,
-    /// Most ownership and heartbeat streams this node serves at once, over all connections;
-    /// one more is refused with `TooManyStreams` rather than growing without bound.
+    /// Most streams of each kind this node serves at once, over all connections: heartbeat
+    /// streams, and ownership and route streams together. One more is refused with
+    /// `TooManyStreams` rather than growing without bound; subscribers cannot crowd out renewals.
     pub max_streams: usize,
 }
 

@@ -175,16 +175,9 @@ impl Client {
             .build();
         loop {
             let (addr, channel) = self.channel()?;
-            let status = match tokio::time::timeout(ATTEMPT_TIMEOUT, f(CoordinatorClient::new(channel))).await
-            {
-                Ok(Ok(reply)) => return Ok(reply.into_inner()),
-                Ok(Err(status)) => status,
-                Err(_) => {
-                    self.avoid(&addr);
-                    tonic::Status::deadline_exceeded(format!(
-                        "{addr} did not answer within {ATTEMPT_TIMEOUT:?}"
-                    ))
-                }
+            let status = match self.attempt(ATTEMPT_TIMEOUT, channel, &mut f).await {
+                Ok(reply) => return Ok(reply),
+                Err(status) => status,
             };
             let redirected = self.judge(&status, &addr)?;
             match delays.next() {
@@ -212,19 +205,33 @@ impl Client {
         let mut last = String::from("no coordinator address");
         for _ in 0..hops {
             let (addr, channel) = self.channel()?;
-            match tokio::time::timeout(per_node, f(CoordinatorClient::new(channel))).await {
-                Ok(Ok(reply)) => return Ok((addr, reply.into_inner())),
-                Ok(Err(status)) => {
+            match self.attempt(per_node, channel, &mut f).await {
+                Ok(reply) => return Ok((addr, reply)),
+                Err(status) => {
                     self.judge(&status, &addr)?;
                     last = format!("{addr}: {}", status.message());
-                }
-                Err(_) => {
-                    self.avoid(&addr);
-                    last = format!("{addr}: no answer within {per_node:?}");
                 }
             }
         }
         Err(ClientError::Unavailable(last))
+    }
+
+    /// One try of `f` on `channel`, bounded by `limit`: a node that does not answer in time
+    /// fails as DeadlineExceeded, which [`Client::judge`] moves away from.
+    async fn attempt<T, F, Fut>(
+        &self,
+        limit: Duration,
+        channel: Channel,
+        f: &mut F,
+    ) -> Result<T, tonic::Status>
+    where
+        F: FnMut(CoordinatorClient<Channel>) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
+        match tokio::time::timeout(limit, f(CoordinatorClient::new(channel))).await {
+            Ok(answer) => answer.map(tonic::Response::into_inner),
+            Err(_) => Err(tonic::Status::deadline_exceeded(format!("no answer within {limit:?}"))),
+        }
     }
 
     /// Sorts a failed call: an error to hand back (`Err`), or a node to move away from, toward the

@@ -226,10 +226,10 @@ impl HeartbeatStream {
         match self.answers.message().await {
             Ok(Some(answer)) => Ok(answer),
             Ok(None) => Err(ClientError::Unavailable("heartbeat stream ended".into())),
-            Err(status) => match client.judge(&status, &self.addr) {
-                Ok(_) => Err(ClientError::Unavailable(status.message().to_string())),
-                Err(e) => Err(e),
-            },
+            Err(status) => {
+                client.judge(&status, &self.addr)?;
+                Err(ClientError::Unavailable(status.message().to_string()))
+            }
         }
     }
 }
@@ -618,13 +618,7 @@ impl Worker {
         let every = config.heartbeat_interval.unwrap_or(ttl / 4);
         if margin >= ttl || every >= ttl - margin {
             // Leases would lapse between heartbeats: give the new session back, then refuse.
-            let leave = proto::LeaveRequest { session_id: joined.session_id, secret: joined.secret.clone() };
-            let _ = client
-                .call(|mut c| {
-                    let leave = leave.clone();
-                    async move { c.leave(leave).await }
-                })
-                .await;
+            let _ = leave_session(&client, SessionId(joined.session_id), joined.secret).await;
             return Err(ClientError::InvalidArgument(format!(
                 "heartbeat interval {every:?} and safety margin {margin:?} do not fit the cluster's lease TTL {ttl:?}"
             )));
