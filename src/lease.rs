@@ -16,7 +16,8 @@
 use crate::ids::{PartitionId, SessionId};
 use crate::ownership::{Event, OwnershipState};
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 #[derive(Clone, Copy, Debug)]
 struct SessionLease {

@@ -34,7 +34,11 @@ pub mod raft;
 pub mod server;
 #[cfg(feature = "coordinator")]
 pub mod simulation;
+#[cfg(feature = "simulation")]
+pub mod stack_simulation;
 #[cfg(feature = "coordinator")]
 pub mod store;
+#[cfg(feature = "worker")]
+pub mod transport;
 #[cfg(feature = "worker")]
 pub mod worker;

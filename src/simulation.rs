@@ -25,7 +25,8 @@ use crate::ownership::{Command, Event, OwnershipState, Response};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Microseconds of simulated true time.
 type Micros = u64;

@@ -7,9 +7,10 @@ mod common;
 
 use common::*;
 use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tenure::nemesis::{ProcessCluster, ServeSettings};
 use tenure::worker::{LostReason, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
+use tokio::time::Instant;
 
 type Events = tokio::sync::mpsc::UnboundedReceiver<WorkerEvent>;
 
@@ -34,7 +35,7 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
     let mut handles: BTreeMap<u32, PartitionHandle> = BTreeMap::new();
     let until = Instant::now() + PATIENCE;
     while handles.len() < PARTITIONS as usize {
-        match tokio::time::timeout_at(until.into(), events.recv()).await {
+        match tokio::time::timeout_at(until, events.recv()).await {
             Ok(Some(WorkerEvent::Assigned(h))) => {
                 handles.insert(h.partition().0, h);
             }

@@ -1,10 +1,11 @@
 //! The leader's lease table, driven with made-up instants: renewals, expiry, revoke deadlines,
 //! and the rule that a new leader never expires a lease early.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tenure::ids::{FencingToken, PartitionId, SessionId};
 use tenure::lease::{Due, LeaseTable};
 use tenure::ownership::{Command, Event, OwnershipState, Response};
+use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_millis(1000);
 const MS: Duration = Duration::from_millis(1);

@@ -42,7 +42,7 @@ mod processes;
 mod proxy;
 mod remote_store;
 mod worker_process;
-mod workload;
+pub(crate) mod workload;
 
 pub use processes::{ProcessCluster, ProcessError, ServeSettings};
 pub use proxy::FaultProxy;
@@ -60,8 +60,9 @@ use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use workload::{LocalSlot, Slot, SlotCommand};
 
@@ -190,9 +191,14 @@ pub struct Outcome {
 }
 
 /// The run's clock: nanoseconds since it began, on the system's monotonic clock (which every
-/// process on the machine shares, so worker processes stamp their records on it too).
+/// process on the machine shares, so worker processes stamp their records on it too), or, in a
+/// simulation, on the simulated clock that every simulated host shares.
 #[derive(Clone, Copy)]
-pub(crate) struct Clock(Instant);
+pub(crate) enum Clock {
+    Monotonic(Instant),
+    #[cfg(feature = "simulation")]
+    Simulated,
+}
 
 /// The system's monotonic clock (`CLOCK_MONOTONIC`, which `Instant` reads on Linux) in ns.
 fn monotonic_ns() -> u64 {
@@ -206,10 +212,10 @@ fn monotonic_ns() -> u64 {
 /// one whose two raw readings around the `Instant` are closest, with the raw value their
 /// midpoint, so a preemption between the reads cannot shift a worker process's clock.
 fn paired_now() -> (Instant, u64) {
-    let mut best: Option<(u64, Instant, u64)> = None;
+    let mut best: Option<(u64, std::time::Instant, u64)> = None;
     for _ in 0..16 {
         let before = monotonic_ns();
-        let instant = Instant::now();
+        let instant = std::time::Instant::now();
         let after = monotonic_ns();
         let gap = after.saturating_sub(before);
         if best.is_none_or(|(g, _, _)| gap < g) {
@@ -220,14 +226,14 @@ fn paired_now() -> (Instant, u64) {
         }
     }
     let (_, instant, raw) = best.expect("at least one try");
-    (instant, raw)
+    (Instant::from_std(instant), raw)
 }
 
 impl Clock {
     /// A clock that starts now, and its origin as a reading of the system's monotonic clock.
     pub(crate) fn start() -> (Clock, u64) {
         let (now, raw) = paired_now();
-        (Clock(now), raw)
+        (Clock::Monotonic(now), raw)
     }
 
     /// The clock whose origin was `epoch_ns` of the system's monotonic clock (in another process
@@ -237,14 +243,34 @@ impl Clock {
         let since = raw.checked_sub(epoch_ns).map(Duration::from_nanos).ok_or_else(|| {
             format!("clock origin {epoch_ns} ns is ahead of this machine's monotonic clock ({raw} ns)")
         })?;
-        now.checked_sub(since).map(Clock).ok_or_else(|| format!("clock origin {epoch_ns} ns is out of range"))
+        now.checked_sub(since)
+            .map(Clock::Monotonic)
+            .ok_or_else(|| format!("clock origin {epoch_ns} ns is out of range"))
     }
 
     pub(crate) fn now_ns(&self) -> u64 {
-        self.0.elapsed().as_nanos() as u64
+        match self {
+            Clock::Monotonic(origin) => origin.elapsed().as_nanos() as u64,
+            #[cfg(feature = "simulation")]
+            Clock::Simulated => turmoil::sim_elapsed().unwrap_or_default().as_nanos() as u64,
+        }
     }
+
+    /// Where `t`, an instant of the calling host's clock, falls on the run's clock.
     pub(crate) fn at_ns(&self, t: Instant) -> u64 {
-        t.saturating_duration_since(self.0).as_nanos() as u64
+        match self {
+            Clock::Monotonic(origin) => t.saturating_duration_since(*origin).as_nanos() as u64,
+            #[cfg(feature = "simulation")]
+            Clock::Simulated => {
+                let now = Instant::now();
+                let now_ns = self.now_ns();
+                if t >= now {
+                    now_ns + (t - now).as_nanos() as u64
+                } else {
+                    now_ns.saturating_sub((now - t).as_nanos() as u64)
+                }
+            }
+        }
     }
 }
 
@@ -255,7 +281,7 @@ pub(crate) struct JournaledStore {
 }
 
 impl JournaledStore {
-    fn new(fencing: bool) -> JournaledStore {
+    pub(crate) fn new(fencing: bool) -> JournaledStore {
         JournaledStore { fencing, inner: Mutex::new(Default::default()) }
     }
 
@@ -270,7 +296,7 @@ impl JournaledStore {
         result
     }
 
-    fn journal(&self) -> Vec<StoreRecord> {
+    pub(crate) fn journal(&self) -> Vec<StoreRecord> {
         self.inner.lock().map(|i| i.1.clone()).unwrap_or_default()
     }
 }

@@ -16,9 +16,10 @@ use crate::worker::{PartitionHandle, Worker, WorkerConfig, WorkerEvent};
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
 /// How long a slot keeps trying to join while the coordinators are down.
 const JOIN_PATIENCE: Duration = Duration::from_secs(60);
@@ -156,8 +157,13 @@ impl LocalSlot {
     }
 }
 
+/// Something that may hold a slot up between its check and its writes (the simulation's
+/// stand-in for a process pause); the future ends when the slot may go on.
+pub(crate) type Stall = Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>;
+
 pub(crate) struct SlotTask<S> {
     name: String,
+    stall: Option<Stall>,
     config: WorkerConfig,
     store: Arc<S>,
     sink: Arc<dyn Sink>,
@@ -184,6 +190,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
         config.dial_from = Some(ip);
         SlotTask {
             name,
+            stall: None,
             config,
             store,
             sink,
@@ -195,6 +202,14 @@ impl<S: FenceStore + 'static> SlotTask<S> {
             view: View::default(),
             writes: 0,
         }
+    }
+
+    /// Connects with `dialer` and lets `stall` hold the slot up between checks and writes.
+    #[cfg(feature = "simulation")]
+    pub(crate) fn simulated(mut self, dialer: crate::transport::Dialer, stall: Stall) -> Self {
+        self.config.dialer = dialer;
+        self.stall = Some(stall);
+        self
     }
 
     /// The loop of a worker process: take in events, check which leases are believed, spend a
@@ -215,6 +230,9 @@ impl<S: FenceStore + 'static> SlotTask<S> {
                 self.handles.values().filter_map(|h| Self::belief(h).map(|b| (h.clone(), b))).collect();
             self.publish();
             tokio::time::sleep(self.interval).await;
+            if let Some(stall) = &self.stall {
+                stall().await;
+            }
             for (h, belief) in checked {
                 if self.handles.get(&h.partition()).is_some_and(|held| held.token() == h.token()) {
                     self.write_from(checked_at, &h, Some(belief)).await;

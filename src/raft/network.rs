@@ -6,6 +6,7 @@ use crate::ids::NodeId;
 use crate::proto::raft_transport_client::RaftTransportClient;
 use crate::proto::RaftPayload;
 use crate::raft::TypeConfig;
+use crate::transport::Dialer;
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -31,12 +32,13 @@ pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 pub struct Network {
     /// Source address of connections to peers, when the node is told to dial from one.
     pub dial_from: Option<std::net::IpAddr>,
+    dialer: Dialer,
     channels: Arc<Mutex<HashMap<String, Channel>>>,
 }
 
 impl Network {
-    pub fn new(dial_from: Option<std::net::IpAddr>) -> Network {
-        Network { dial_from, channels: Arc::default() }
+    pub fn new(dial_from: Option<std::net::IpAddr>, dialer: Dialer) -> Network {
+        Network { dial_from, dialer, channels: Arc::default() }
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, String> {
@@ -44,12 +46,12 @@ impl Network {
         if let Some(channel) = channels.get(addr) {
             return Ok(channel.clone());
         }
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|e| format!("bad address {addr:?}: {e}"))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
-            .local_address(self.dial_from)
-            .connect_lazy();
+            .local_address(self.dial_from);
+        let channel = self.dialer.channel(endpoint);
         channels.insert(addr.to_string(), channel.clone());
         Ok(channel)
     }

@@ -8,8 +8,8 @@ use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind}
 use rand::RngCore;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Instant;
 use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::time::Instant;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 

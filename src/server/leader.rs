@@ -8,8 +8,8 @@ use crate::store::AppliedEvent;
 use openraft::ServerState;
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 use tokio::sync::{broadcast, mpsc};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// Most renewals answered by one quorum round.

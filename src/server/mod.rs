@@ -50,6 +50,10 @@ pub struct NodeConfig {
     pub raft_heartbeat_interval: Duration,
     /// Lower bound of the election timeout; the upper bound is twice this.
     pub election_timeout: Duration,
+    /// Wait exactly `election_timeout` instead of a random time up to twice it. Only the
+    /// deterministic simulation wants this (with a different timeout on every node): openraft
+    /// draws the random wait from a generator no seed reaches.
+    pub fixed_election_timeout: bool,
     /// Build a snapshot (and purge the log) after this many applied entries.
     pub snapshot_after_logs: u64,
     /// Source address for connections to peers, on hosts with several addresses. `None` lets
@@ -63,6 +67,8 @@ pub struct NodeConfig {
     /// streams, and ownership and route streams together. One more is refused with
     /// `TooManyStreams` rather than growing without bound; subscribers cannot crowd out renewals.
     pub max_streams: usize,
+    /// How this node connects to its peers; TCP unless a simulation says otherwise.
+    pub dialer: crate::transport::Dialer,
 }
 
 /// How often the server pings an HTTP/2 connection, and how long it waits for the answer.
@@ -81,10 +87,12 @@ impl NodeConfig {
             expiry_check_interval: Duration::from_millis(50),
             raft_heartbeat_interval: Duration::from_millis(100),
             election_timeout: Duration::from_millis(500),
+            fixed_election_timeout: false,
             snapshot_after_logs: 5000,
             dial_from: None,
             keep_whole_log: false,
             max_streams: 100_000,
+            dialer: crate::transport::Dialer::tcp(),
         }
     }
 
@@ -138,7 +146,7 @@ pub enum NodeError {
 pub(crate) struct PendingRenewal {
     pub session: crate::ids::SessionId,
     pub secret: String,
-    pub received: std::time::Instant,
+    pub received: tokio::time::Instant,
     pub reply: tokio::sync::oneshot::Sender<Result<Vec<(u32, u64)>, CoordinatorError>>,
 }
 
@@ -263,7 +271,11 @@ fn raft_config(config: &NodeConfig) -> Result<openraft::Config, NodeError> {
         cluster_name: "tenure".into(),
         heartbeat_interval: ms(config.raft_heartbeat_interval),
         election_timeout_min: ms(config.election_timeout),
-        election_timeout_max: ms(config.election_timeout) * 2,
+        election_timeout_max: if config.fixed_election_timeout {
+            ms(config.election_timeout) + 1
+        } else {
+            ms(config.election_timeout) * 2
+        },
         snapshot_policy: SnapshotPolicy::LogsSinceLast(config.snapshot_after_logs),
         max_in_snapshot_log_to_keep: if config.keep_whole_log {
             u64::MAX
@@ -279,8 +291,31 @@ fn raft_config(config: &NodeConfig) -> Result<openraft::Config, NodeError> {
 /// Opens the store, starts Raft and serves on `listener` until [`RunningNode::shutdown`].
 /// The node with the smallest id initialises a new cluster.
 pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningNode, NodeError> {
-    config.validate()?;
     let addr = listener.local_addr().map_err(|e| NodeError::Config(e.to_string()))?;
+    // No Nagle: small answers and stream events must not wait for the peer's delayed ACK
+    // (about 40 ms on Linux), which would be most of a planned move.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    start_on(config, addr, incoming).await
+}
+
+/// [`start`], serving the connections that `incoming` accepts (which the simulation uses to
+/// serve over its simulated network); `addr` is where they arrive.
+pub async fn start_on<I, IO, IE>(
+    config: NodeConfig,
+    addr: std::net::SocketAddr,
+    incoming: I,
+) -> Result<RunningNode, NodeError>
+where
+    I: futures::Stream<Item = Result<IO, IE>> + Send + 'static,
+    IO: tokio::io::AsyncRead
+        + tokio::io::AsyncWrite
+        + tonic::transport::server::Connected
+        + Unpin
+        + Send
+        + 'static,
+    IE: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    config.validate()?;
     std::fs::create_dir_all(&config.data_dir)
         .map_err(|e| NodeError::Storage(format!("{}: {e}", config.data_dir.display())))?;
     let db = crate::store::open(&config.data_dir).map_err(|e| NodeError::Storage(e.to_string()))?;
@@ -290,7 +325,7 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config(&config)?),
-        Network::new(config.dial_from),
+        Network::new(config.dial_from, config.dialer.clone()),
         log_store,
         sm.clone(),
     )
@@ -331,9 +366,6 @@ pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningN
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let shutdown = cancel.clone();
     tasks.push(tokio::spawn(async move {
-        // No Nagle: small answers and stream events must not wait for the peer's delayed ACK
-        // (about 40 ms on Linux), which would be most of a planned move.
-        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         let result = tonic::transport::Server::builder()
             // A peer that stops answering pings (a frozen or vanished worker) loses its
             // connection, and with it the streams and permits it held.

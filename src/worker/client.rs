@@ -6,6 +6,7 @@
 
 use crate::proto::coordinator_client::CoordinatorClient;
 use crate::proto::{ERROR_METADATA, LEADER_METADATA};
+use crate::transport::Dialer;
 use backon::{BackoffBuilder, ExponentialBuilder};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -90,6 +91,7 @@ pub struct Client {
 struct Inner {
     addrs: Vec<String>,
     dial_from: Option<std::net::IpAddr>,
+    dialer: Dialer,
     current: usize,
     channels: std::collections::HashMap<String, Channel>,
 }
@@ -110,6 +112,7 @@ impl Client {
             inner: Arc::new(Mutex::new(Inner {
                 addrs,
                 dial_from: None,
+                dialer: Dialer::tcp(),
                 current: 0,
                 channels: Default::default(),
             })),
@@ -123,18 +126,24 @@ impl Client {
         self
     }
 
+    /// Opens its channels with `dialer` instead of plain TCP.
+    pub fn dialing_with(self, dialer: Dialer) -> Client {
+        self.inner.lock().expect("client lock poisoned").dialer = dialer;
+        self
+    }
+
     fn channel(&self) -> Result<(String, Channel), ClientError> {
         let mut inner = self.inner.lock().expect("client lock poisoned");
         let addr = inner.addrs[inner.current % inner.addrs.len()].clone();
         if let Some(c) = inner.channels.get(&addr) {
             return Ok((addr, c.clone()));
         }
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
+        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
             .map_err(|_| ClientError::BadAddress(addr.clone()))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
-            .local_address(inner.dial_from)
-            .connect_lazy();
+            .local_address(inner.dial_from);
+        let channel = inner.dialer.channel(endpoint);
         inner.channels.insert(addr.clone(), channel.clone());
         Ok((addr, channel))
     }

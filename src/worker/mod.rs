@@ -41,8 +41,9 @@ use crate::proto;
 use crate::proto::ownership_event::Kind;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, Weak};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use tokio_util::sync::CancellationToken;
 
@@ -87,6 +88,8 @@ pub struct WorkerConfig {
     pub heartbeat_interval: Option<Duration>,
     /// Source address for connections to the coordinators, on hosts with several addresses.
     pub dial_from: Option<std::net::IpAddr>,
+    /// How connections to the coordinators are opened; TCP unless a simulation says otherwise.
+    pub dialer: crate::transport::Dialer,
 }
 
 impl WorkerConfig {
@@ -98,6 +101,7 @@ impl WorkerConfig {
             safety_margin: None,
             heartbeat_interval: None,
             dial_from: None,
+            dialer: crate::transport::Dialer::tcp(),
         }
     }
 }
@@ -605,7 +609,9 @@ impl Worker {
         if config.heartbeat_interval.is_some_and(|i| i.is_zero()) {
             return Err(ClientError::InvalidArgument("the heartbeat interval must be positive".into()));
         }
-        let client = Client::new(config.coordinators.clone())?.dialing_from(config.dial_from);
+        let client = Client::new(config.coordinators.clone())?
+            .dialing_from(config.dial_from)
+            .dialing_with(config.dialer.clone());
         let request = proto::JoinRequest { name: config.name.clone(), weight: config.weight };
         let joined = client
             .call(|mut c| {
@@ -888,7 +894,7 @@ impl Worker {
                     .min(Instant::now() + Duration::from_millis(50));
                 tokio::select! {
                     _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep_until(wake.into()) => {}
+                    _ = tokio::time::sleep_until(wake) => {}
                 }
             }
         }

@@ -1,0 +1,624 @@
+//! The whole stack under a deterministic simulation: real openraft, tonic, RocksDB and worker
+//! library, on turmoil's simulated network and clock, with faults drawn from a seed.
+//!
+//! [`crate::simulation`] checks the ownership logic inside a model of Raft, fast enough for
+//! thousands of seeds a second. This module runs the code that ships instead: each coordinator
+//! is a simulated host running [`server::start_on`] over simulated TCP, with its RocksDB on
+//! disk; each worker is a host running the worker library and writing to the run's fenced store.
+//! Only the network and the clock are simulated. Every host runs on one thread, time moves only
+//! when the simulation steps it, and the network, the schedule of faults, openraft's election
+//! timeouts (fixed per node) and the library's retry jitter all come from the seed, so a run is a
+//! function of its seed: a failing seed is printed and replays the same history.
+//!
+//! Faults (one at a time, healed before the next):
+//! - `freeze-worker`: a worker is held between checking its leases and writing, longer than a
+//!   TTL, with its links to the coordinators held too; its writes then arrive late.
+//! - `crash-worker`: a worker host crashes and restarts as a new session.
+//! - `partition-worker`: a worker's links to the coordinators are held (TCP under a partition:
+//!   nothing arrives until it heals); it still reaches storage.
+//! - `minority-leader`, `isolate-leader`: the leader's links to the other nodes (and, isolated,
+//!   to the workers) are held. Isolation is also what peers and workers see of a frozen leader;
+//!   a simulated host cannot be frozen with its timers, so there is no separate pause fault.
+//! - `kill-leader`, `kill-follower`, `kill-all`: node hosts crash (their runtime and every task
+//!   are dropped; RocksDB keeps what was synced) and restart on the same data.
+//! - `lossy-links`: every link between nodes drops what is sent on it for a while, which breaks
+//!   connections mid-stream; they must be noticed and opened again.
+//! - `slow-network`: every message takes up to half an election timeout.
+//!
+//! Afterwards the run waits for the table to be fully owned again and checks the history with
+//! the same [checker](crate::history::check) as the nemesis.
+
+mod net;
+
+use crate::history::{self, Committed, Fault, FinalRow, History, Report, WorkerRecord};
+use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
+use crate::nemesis::workload::{LocalSink, SlotTask, Stall, View};
+use crate::nemesis::{Clock, JournaledStore};
+use crate::server::{self, NodeConfig};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The port every simulated node serves on.
+const PORT: u16 = 7000;
+
+/// One kind of fault of the simulation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SimFault {
+    FreezeWorker,
+    CrashWorker,
+    PartitionWorker,
+    MinorityLeader,
+    IsolateLeader,
+    KillLeader,
+    KillFollower,
+    KillAll,
+    LossyLinks,
+    SlowNetwork,
+}
+
+impl SimFault {
+    pub const ALL: [SimFault; 10] = [
+        SimFault::FreezeWorker,
+        SimFault::CrashWorker,
+        SimFault::PartitionWorker,
+        SimFault::MinorityLeader,
+        SimFault::IsolateLeader,
+        SimFault::KillLeader,
+        SimFault::KillFollower,
+        SimFault::KillAll,
+        SimFault::LossyLinks,
+        SimFault::SlowNetwork,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SimFault::FreezeWorker => "freeze-worker",
+            SimFault::CrashWorker => "crash-worker",
+            SimFault::PartitionWorker => "partition-worker",
+            SimFault::MinorityLeader => "minority-leader",
+            SimFault::IsolateLeader => "isolate-leader",
+            SimFault::KillLeader => "kill-leader",
+            SimFault::KillFollower => "kill-follower",
+            SimFault::KillAll => "kill-all",
+            SimFault::LossyLinks => "lossy-links",
+            SimFault::SlowNetwork => "slow-network",
+        }
+    }
+}
+
+/// What one simulated run does. Times are simulated time.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    pub seed: u64,
+    pub nodes: usize,
+    pub workers: usize,
+    pub partition_count: u32,
+    pub lease_ttl: Duration,
+    /// The shortest election timeout; node `i` (from 1) waits this plus `i - 1` times a fifth
+    /// of it, so elections are decided by the seed's network, not by a hidden random draw.
+    pub election_timeout: Duration,
+    /// How long faults are injected.
+    pub fault_time: Duration,
+    /// Time between a worker's lease check and its writes.
+    pub write_interval: Duration,
+    /// Whether the store checks tokens (off only to show that the checker catches it).
+    pub fencing: bool,
+    pub faults: Vec<SimFault>,
+}
+
+impl SimConfig {
+    pub fn new(seed: u64) -> SimConfig {
+        SimConfig {
+            seed,
+            nodes: 3,
+            workers: 3,
+            partition_count: 8,
+            lease_ttl: Duration::from_millis(1000),
+            election_timeout: Duration::from_millis(300),
+            fault_time: Duration::from_secs(15),
+            write_interval: Duration::from_millis(50),
+            fencing: true,
+            faults: SimFault::ALL.to_vec(),
+        }
+    }
+
+    /// Owned again within this long after the last fault heals: as the nemesis's bound.
+    pub fn liveness_bound(&self) -> Duration {
+        self.lease_ttl * 2 + self.election_timeout * 4 + Duration::from_secs(1)
+    }
+}
+
+/// Why a run could not be carried out (a violation is in the report, not here).
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("simulation: {0}")]
+    Turmoil(String),
+    #[error("the table was never fully owned before the faults began")]
+    NeverSettled,
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// What a run recorded and what the checker said of it.
+#[derive(Debug)]
+pub struct SimOutcome {
+    pub history: History,
+    pub report: Report,
+    /// The faults injected, in order, described.
+    pub faults: Vec<String>,
+    /// Simulated time the run took.
+    pub simulated: Duration,
+    pub steps: u64,
+    pub writes_accepted: usize,
+    pub writes_refused: usize,
+}
+
+impl SimOutcome {
+    /// A fingerprint of everything recorded, to compare two runs of one seed.
+    pub fn fingerprint(&self) -> u64 {
+        let json = serde_json::to_vec(&self.history).expect("a history serializes");
+        xxhash_rust::xxh64::xxh64(&json, 0)
+    }
+}
+
+/// What a node last published about itself, read by the driver between steps.
+#[derive(Clone, Debug, Default)]
+struct Published {
+    leader: bool,
+    term: u64,
+    last_applied: u64,
+    rows: Vec<FinalRow>,
+    revoking: bool,
+    /// Live sessions that are not leaving.
+    sessions: Vec<SessionId>,
+}
+
+/// Everything the hosts and the driver share. The simulation runs on one thread, so plain
+/// mutexes are never contended.
+#[derive(Clone, Default)]
+struct Shared {
+    published: Arc<Mutex<BTreeMap<NodeId, Published>>>,
+    committed: Arc<Mutex<Vec<Committed>>>,
+    worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
+}
+
+fn node_name(id: NodeId) -> String {
+    format!("n{id}")
+}
+
+fn worker_name(n: usize) -> String {
+    format!("w{}", n + 1)
+}
+
+/// Runs one seed with every node's data under `dir`.
+pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
+    // The worker library's retry jitter draws from this thread's generator.
+    fastrand::seed(config.seed);
+    let mut rng = StdRng::seed_from_u64(config.seed);
+    let mut sim = turmoil::Builder::new()
+        .rng_seed(config.seed)
+        .simulation_duration(Duration::from_secs(3600))
+        .tick_duration(Duration::from_millis(1))
+        .min_message_latency(Duration::from_millis(1))
+        .max_message_latency(Duration::from_millis(3))
+        .build();
+    let shared = Shared::default();
+    let ids: Vec<NodeId> = (1..=config.nodes as NodeId).collect();
+    let peers: BTreeMap<NodeId, String> =
+        ids.iter().map(|id| (*id, format!("{}:{PORT}", node_name(*id)))).collect();
+    for id in &ids {
+        add_node(&mut sim, config, *id, &peers, dir.join(node_name(*id)), &shared);
+    }
+    let store = Arc::new(JournaledStore::new(config.fencing));
+    let pauses: Vec<Arc<Mutex<Option<Duration>>>> = (0..config.workers).map(|_| Arc::default()).collect();
+    let views: Vec<Arc<Mutex<View>>> = (0..config.workers).map(|_| Arc::default()).collect();
+    for n in 0..config.workers {
+        add_worker(&mut sim, config, n, &peers, &store, &pauses[n], &views[n], &shared);
+    }
+    let mut driver = Driver { sim, config, shared, views, pauses, ids };
+
+    // Faults start from a settled table.
+    let settle_by = driver.now() + Duration::from_secs(20);
+    if !driver.step_until(settle_by, |d| d.fully_owned().is_some())? {
+        return Err(SimError::NeverSettled);
+    }
+
+    let mut faults = Vec::new();
+    let mut described = Vec::new();
+    let mut order: Vec<SimFault> = Vec::new();
+    let faults_until = driver.now() + config.fault_time;
+    while driver.now() < faults_until && !config.faults.is_empty() {
+        let quiet = Duration::from_millis(rng.random_range(300..1200));
+        driver.advance(quiet)?;
+        if order.is_empty() {
+            order = config.faults.clone();
+            order.shuffle(&mut rng);
+        }
+        let kind = order.remove(0);
+        let start_ns = driver.now_ns();
+        let what = driver.inject(kind, &mut rng)?;
+        faults.push(Fault { what: what.clone(), start_ns, healed_ns: driver.now_ns() });
+        described.push(what);
+    }
+
+    let healed = driver.now();
+    let bound = config.liveness_bound();
+    let mut recovered_after = None;
+    let mut final_table = Vec::new();
+    let mut final_index = 0;
+    let recovered = driver.step_until(healed + bound * 2, |d| d.fully_owned().is_some())?;
+    if recovered {
+        recovered_after = Some(driver.now() - healed);
+        (final_table, final_index) = driver.fully_owned().expect("just seen");
+    } else if let Some(leader) = driver.leader() {
+        final_table = leader.rows;
+        final_index = leader.last_applied;
+    }
+    // Let every replica apply up to the index the table was read at, so the record is whole.
+    let catch_up = driver.now() + Duration::from_secs(5);
+    driver.step_until(catch_up, |d| {
+        let published = d.shared.published.lock().expect("published");
+        published.values().all(|p| p.last_applied >= final_index)
+    })?;
+    let live_sessions: BTreeMap<String, SessionId> =
+        (0..config.workers).filter_map(|n| driver.view(n).session.map(|s| (worker_name(n), s))).collect();
+    let simulated = driver.now();
+    let steps = (simulated.as_millis()) as u64;
+    let Driver { sim, shared, .. } = driver;
+    drop(sim); // every host's runtime, and with it every node and worker, stops here
+
+    let mut history = History::new(config.partition_count, config.lease_ttl.as_millis() as u64);
+    let mut committed = std::mem::take(&mut *shared.committed.lock().expect("committed"));
+    committed.retain(|c| c.index <= final_index);
+    history.coordinator = committed;
+    history.workers = std::mem::take(&mut *shared.worker_records.lock().expect("worker records"));
+    history.store = store.journal();
+    history.faults = faults;
+    history.final_table = final_table;
+    history.live_sessions = live_sessions;
+    history.recovered_after_ms = recovered_after.map(|d| d.as_millis() as u64);
+    history.liveness_bound_ms = bound.as_millis() as u64;
+    let report = history::check(&history);
+    let writes_accepted = history.store.iter().filter(|r| r.accepted).count();
+    let writes_refused = history.store.len() - writes_accepted;
+    Ok(SimOutcome { history, report, faults: described, simulated, steps, writes_accepted, writes_refused })
+}
+
+fn add_node(
+    sim: &mut turmoil::Sim<'_>,
+    config: &SimConfig,
+    id: NodeId,
+    peers: &BTreeMap<NodeId, String>,
+    data_dir: PathBuf,
+    shared: &Shared,
+) {
+    let mut node_config = NodeConfig::new(id, peers.clone(), data_dir);
+    node_config.partition_count = config.partition_count;
+    node_config.lease_ttl = config.lease_ttl;
+    node_config.election_timeout = config.election_timeout + config.election_timeout / 5 * (id as u32 - 1);
+    node_config.fixed_election_timeout = true;
+    node_config.raft_heartbeat_interval = config.election_timeout / 6;
+    node_config.snapshot_after_logs = 100; // so restarts also go through snapshots
+    node_config.dialer = net::dialer();
+    let shared = shared.clone();
+    sim.host(node_name(id), move || {
+        let (node_config, shared) = (node_config.clone(), shared.clone());
+        async move {
+            let listener = turmoil::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, PORT)).await?;
+            let addr = listener.local_addr()?;
+            let node = server::start_on(node_config, addr, net::incoming(listener)).await?;
+            let mut applied = node.node.sm.subscribe();
+            let clock = Clock::Simulated;
+            let mut publish = tokio::time::interval(Duration::from_millis(10));
+            loop {
+                tokio::select! {
+                    biased;
+                    entry = applied.recv() => {
+                        let Ok(entry) = entry else { continue };
+                        let at_ns = clock.now_ns();
+                        let mut committed = shared.committed.lock().expect("committed");
+                        for event in &entry.events {
+                            let Some((partition, session, token, decision)) = event.decision() else { continue };
+                            committed.push(Committed { node: id, index: entry.index, at_ns, partition, session, token, decision });
+                        }
+                    }
+                    _ = publish.tick() => {
+                        let published = publish_state(&node);
+                        shared.published.lock().expect("published").insert(id, published);
+                    }
+                }
+            }
+        }
+    });
+}
+
+fn publish_state(node: &server::RunningNode) -> Published {
+    let metrics = node.raft().metrics().borrow().clone();
+    let applied = node.node.state.read().expect("state lock poisoned");
+    let rows = applied
+        .state
+        .partitions()
+        .iter()
+        .enumerate()
+        .map(|(p, r)| FinalRow { partition: PartitionId(p as u32), owner: r.owner, token: r.token })
+        .collect();
+    Published {
+        leader: metrics.current_leader == Some(node.node.config.id)
+            && metrics.state == openraft::ServerState::Leader,
+        term: metrics.current_term,
+        last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
+        rows,
+        revoking: applied.state.partitions().iter().any(|r| r.revoking),
+        sessions: applied.state.sessions().iter().filter(|(_, s)| !s.leaving).map(|(id, _)| *id).collect(),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn add_worker(
+    sim: &mut turmoil::Sim<'_>,
+    config: &SimConfig,
+    n: usize,
+    peers: &BTreeMap<NodeId, String>,
+    store: &Arc<JournaledStore>,
+    pause: &Arc<Mutex<Option<Duration>>>,
+    view: &Arc<Mutex<View>>,
+    shared: &Shared,
+) {
+    let name = worker_name(n);
+    let coordinators: Vec<String> = peers.values().cloned().collect();
+    let nodes: Vec<String> = peers.keys().map(|id| node_name(*id)).collect();
+    let (store, pause, view, records) =
+        (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone());
+    let interval = config.write_interval;
+    sim.host(name.clone(), move || {
+        let (name, coordinators, store, view, records) =
+            (name.clone(), coordinators.clone(), store.clone(), view.clone(), records.clone());
+        let stall = stall(name.clone(), nodes.clone(), pause.clone());
+        async move {
+            // A new start forgets everything the last incarnation believed.
+            *view.lock().expect("view") = View::default();
+            let sink = Arc::new(LocalSink { view, records });
+            let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+            let mut task = SlotTask::new(name, ip, coordinators, store, sink, Clock::Simulated, interval)
+                .simulated(net::dialer(), stall);
+            task.rejoin().await?;
+            task.run_checking_before_work().await?;
+            Ok(())
+        }
+    });
+}
+
+/// The freeze of a worker: when one is asked for, hold the worker between its check and its
+/// writes, with its links to the coordinators held for as long.
+fn stall(me: String, nodes: Vec<String>, pause: Arc<Mutex<Option<Duration>>>) -> Stall {
+    Arc::new(move || {
+        let requested = pause.lock().expect("pause").take();
+        let (me, nodes) = (me.clone(), nodes.clone());
+        Box::pin(async move {
+            let Some(pause) = requested else { return };
+            for n in &nodes {
+                turmoil::hold(me.as_str(), n.as_str());
+            }
+            tokio::time::sleep(pause).await;
+            for n in &nodes {
+                turmoil::release(me.as_str(), n.as_str());
+            }
+        })
+    })
+}
+
+struct Driver<'a> {
+    sim: turmoil::Sim<'a>,
+    config: &'a SimConfig,
+    shared: Shared,
+    views: Vec<Arc<Mutex<View>>>,
+    pauses: Vec<Arc<Mutex<Option<Duration>>>>,
+    ids: Vec<NodeId>,
+}
+
+impl Driver<'_> {
+    fn now(&self) -> Duration {
+        self.sim.elapsed()
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.now().as_nanos() as u64
+    }
+
+    fn step(&mut self) -> Result<(), SimError> {
+        self.sim.step().map(|_| ()).map_err(|e| SimError::Turmoil(e.to_string()))
+    }
+
+    fn advance(&mut self, by: Duration) -> Result<(), SimError> {
+        let until = self.now() + by;
+        while self.now() < until {
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Steps until `done` holds (true) or `until` passes (false).
+    fn step_until(&mut self, until: Duration, done: impl Fn(&Self) -> bool) -> Result<bool, SimError> {
+        loop {
+            if done(self) {
+                return Ok(true);
+            }
+            if self.now() >= until {
+                return Ok(false);
+            }
+            self.step()?;
+        }
+    }
+
+    fn view(&self, n: usize) -> View {
+        self.views[n].lock().expect("view").clone()
+    }
+
+    /// The leader of the highest term, as the nodes last published.
+    fn leader(&self) -> Option<Published> {
+        let published = self.shared.published.lock().expect("published");
+        published.values().filter(|p| p.leader).max_by_key(|p| p.term).cloned()
+    }
+
+    fn leader_id(&self) -> Option<NodeId> {
+        let published = self.shared.published.lock().expect("published");
+        published.iter().filter(|(_, p)| p.leader).max_by_key(|(_, p)| p.term).map(|(id, _)| *id)
+    }
+
+    /// The leader's table and index, if every partition is owned by a worker's live session,
+    /// nothing is being revoked and every worker believes exactly its rows.
+    fn fully_owned(&self) -> Option<(Vec<FinalRow>, u64)> {
+        let leader = self.leader()?;
+        if leader.revoking || leader.rows.iter().any(|r| r.owner.is_none()) {
+            return None;
+        }
+        let mut live = Vec::new();
+        for n in 0..self.config.workers {
+            let view = self.view(n);
+            let session = view.session.filter(|s| leader.sessions.contains(s))?;
+            let rows: BTreeMap<PartitionId, FencingToken> = leader
+                .rows
+                .iter()
+                .filter(|r| r.owner == Some(session))
+                .map(|r| (r.partition, r.token))
+                .collect();
+            if view.believed != rows {
+                return None;
+            }
+            live.push(session);
+        }
+        if leader.rows.iter().any(|r| !r.owner.is_some_and(|o| live.contains(&o))) {
+            return None;
+        }
+        Some((leader.rows, leader.last_applied))
+    }
+
+    /// A leader, waiting for one if there is none right now.
+    fn await_leader(&mut self) -> Result<NodeId, SimError> {
+        let until = self.now() + Duration::from_secs(10);
+        self.step_until(until, |d| d.leader_id().is_some())?;
+        Ok(self.leader_id().unwrap_or(self.ids[0]))
+    }
+
+    fn crash_node(&mut self, id: NodeId) {
+        self.sim.crash(node_name(id));
+        self.shared.published.lock().expect("published").remove(&id);
+    }
+
+    fn hold(&self, a: &str, b: &str) {
+        self.sim.hold(a, b);
+    }
+
+    fn release(&self, a: &str, b: &str) {
+        self.sim.release(a, b);
+    }
+
+    /// Injects one fault, lets it last, heals it; returns a description.
+    fn inject(&mut self, kind: SimFault, rng: &mut StdRng) -> Result<String, SimError> {
+        let ttl = self.config.lease_ttl;
+        let election = self.config.election_timeout;
+        let jitter = |rng: &mut StdRng, from: Duration, to: Duration| {
+            from + (to.saturating_sub(from)).mul_f64(rng.random_range(0.0..1.0))
+        };
+        let nodes: Vec<String> = self.ids.iter().map(|id| node_name(*id)).collect();
+        let workers: Vec<String> = (0..self.config.workers).map(worker_name).collect();
+        let name = kind.name();
+        match kind {
+            SimFault::FreezeWorker => {
+                let n = rng.random_range(0..self.config.workers);
+                let pause = jitter(rng, ttl * 2, ttl * 3);
+                *self.pauses[n].lock().expect("pause") = Some(pause);
+                // The worker takes the pause at its next write; give it that long and a little.
+                self.advance(pause + self.config.write_interval * 2)?;
+                Ok(format!("{name} {} for {} ms", workers[n], pause.as_millis()))
+            }
+            SimFault::CrashWorker => {
+                let n = rng.random_range(0..self.config.workers);
+                let down = jitter(rng, ttl / 2, ttl * 2);
+                self.sim.crash(workers[n].as_str());
+                *self.views[n].lock().expect("view") = View::default();
+                self.advance(down)?;
+                self.sim.bounce(workers[n].as_str());
+                Ok(format!("{name} {} down for {} ms", workers[n], down.as_millis()))
+            }
+            SimFault::PartitionWorker => {
+                let n = rng.random_range(0..self.config.workers);
+                let cut = jitter(rng, ttl * 3 / 2, ttl * 3);
+                for node in &nodes {
+                    self.hold(&workers[n], node);
+                }
+                self.advance(cut)?;
+                for node in &nodes {
+                    self.release(&workers[n], node);
+                }
+                Ok(format!("{name} {} for {} ms", workers[n], cut.as_millis()))
+            }
+            SimFault::MinorityLeader | SimFault::IsolateLeader => {
+                let leader = node_name(self.await_leader()?);
+                let mut cut: Vec<&String> = nodes.iter().filter(|n| **n != leader).collect();
+                if kind != SimFault::MinorityLeader {
+                    cut.extend(workers.iter());
+                }
+                let lasts = jitter(rng, election * 4, ttl * 2);
+                for other in &cut {
+                    self.hold(&leader, other);
+                }
+                self.advance(lasts)?;
+                for other in &cut {
+                    self.release(&leader, other);
+                }
+                Ok(format!("{name} {leader} for {} ms", lasts.as_millis()))
+            }
+            SimFault::KillLeader | SimFault::KillFollower | SimFault::KillAll => {
+                let leader = self.await_leader()?;
+                let victims: Vec<NodeId> = match kind {
+                    SimFault::KillLeader => vec![leader],
+                    SimFault::KillFollower => {
+                        let followers: Vec<NodeId> =
+                            self.ids.iter().copied().filter(|id| *id != leader).collect();
+                        vec![followers[rng.random_range(0..followers.len())]]
+                    }
+                    _ => self.ids.clone(),
+                };
+                for id in &victims {
+                    self.crash_node(*id);
+                }
+                let down = jitter(rng, Duration::from_millis(200), ttl * 3 / 2);
+                self.advance(down)?;
+                for id in &victims {
+                    self.sim.bounce(node_name(*id));
+                }
+                Ok(format!("{name} {victims:?} down for {} ms", down.as_millis()))
+            }
+            SimFault::LossyLinks => {
+                let lasts = jitter(rng, election, ttl);
+                let pairs: Vec<(&String, &String)> = nodes
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, a)| nodes[i + 1..].iter().map(move |b| (a, b)))
+                    .collect();
+                for (a, b) in &pairs {
+                    self.sim.partition(a.as_str(), b.as_str());
+                }
+                self.advance(lasts)?;
+                for (a, b) in &pairs {
+                    self.sim.repair(a.as_str(), b.as_str());
+                }
+                Ok(format!("{name} between nodes for {} ms", lasts.as_millis()))
+            }
+            SimFault::SlowNetwork => {
+                let delay = jitter(rng, Duration::from_millis(5), election / 2);
+                let lasts = jitter(rng, ttl, ttl * 2);
+                self.sim.set_max_message_latency(delay);
+                self.advance(lasts)?;
+                self.sim.set_max_message_latency(Duration::from_millis(3));
+                Ok(format!("{name} up to {} ms for {} ms", delay.as_millis(), lasts.as_millis()))
+            }
+        }
+    }
+}
