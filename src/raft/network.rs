@@ -24,6 +24,11 @@ use tonic::transport::{Channel, Endpoint};
 /// Largest Raft message a node sends or accepts.
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 
+/// How often a peer connection is pinged, and how long an answer may take before the
+/// connection is given up.
+const PEER_KEEPALIVE_INTERVAL: Duration = Duration::from_secs(1);
+const PEER_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Creates clients for peers. openraft asks for a new client per replication stream and, in
 /// 0.9, for every leadership check (`ensure_linearizable`), so the channels are kept here and
 /// shared: a leadership check then costs one round trip on an open HTTP/2 connection instead of
@@ -50,6 +55,13 @@ impl Network {
             .map_err(|e| format!("bad address {addr:?}: {e}"))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
+            // A connection that stops carrying anything (its peer's host died without a reset,
+            // or a partition lost data in flight) is noticed by an unanswered ping and replaced
+            // on the next call. Without this the cached channel would keep every later call on
+            // the dead connection, and a leader could stay cut off after the network healed.
+            .http2_keep_alive_interval(PEER_KEEPALIVE_INTERVAL)
+            .keep_alive_timeout(PEER_KEEPALIVE_TIMEOUT)
+            .keep_alive_while_idle(true)
             .local_address(self.dial_from);
         let channel = self.dialer.channel(endpoint);
         channels.insert(addr.to_string(), channel.clone());
