@@ -33,6 +33,10 @@ enum Command {
     Nemesis(NemesisArgs),
     /// Run the seeded simulation of the lease protocol over many seeds and check every history.
     Simulate(SimulateArgs),
+    /// Run the whole stack (openraft, gRPC, RocksDB, worker library) under the seeded
+    /// deterministic simulation of network and clock, over many seeds, and check every history.
+    #[cfg(feature = "simulation")]
+    SimulateStack(SimulateStackArgs),
     /// Run a worker that writes a counter per owned partition into a PostgreSQL-fenced store,
     /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
     #[cfg(feature = "fence-postgres")]
@@ -191,6 +195,29 @@ struct SimulateArgs {
     no_fencing: bool,
 }
 
+#[cfg(feature = "simulation")]
+#[derive(Args)]
+struct SimulateStackArgs {
+    /// First seed (also read from TENURE_SIM_SEED, to replay one).
+    #[arg(long, env = "TENURE_SIM_SEED", default_value_t = 0)]
+    seed: u64,
+    /// How many seeds, from the first.
+    #[arg(long, default_value_t = 1000)]
+    seeds: u64,
+    /// Simulated seconds of faults per seed.
+    #[arg(long, default_value_t = 8)]
+    fault_secs: u64,
+    /// Seeds run at once, one per thread.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Print every seed's faults and figures, not only failures.
+    #[arg(long)]
+    verbose: bool,
+    /// Switch the store's fencing check off (the checker must then report violations).
+    #[arg(long)]
+    no_fencing: bool,
+}
+
 #[derive(Args)]
 struct CtlArgs {
     /// Coordinator addresses (host:port), comma separated.
@@ -219,6 +246,9 @@ async fn main() -> Result<()> {
     let cli = Cli::parse();
     let default_level = match cli.command {
         Command::Serve(_) => "info",
+        // Hundreds of simulated clusters retry through every fault: only errors are news.
+        #[cfg(feature = "simulation")]
+        Command::SimulateStack(_) => "error,openraft=off",
         _ => "warn,openraft=off",
     };
     tracing_subscriber::fmt()
@@ -240,6 +270,8 @@ async fn main() -> Result<()> {
         Command::Ctl(args) => ctl(args).await,
         Command::Nemesis(args) => nemesis(args).await,
         Command::Simulate(args) => simulate(args),
+        #[cfg(feature = "simulation")]
+        Command::SimulateStack(args) => simulate_stack(args),
         #[cfg(feature = "fence-postgres")]
         Command::Work(args) => work(args).await,
         Command::NemesisWorker(args) => {
@@ -410,6 +442,77 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
     println!("{} runs: {operations} operations, {injected} faults, {violations} violations", args.runs);
     if violations > 0 {
         bail!("{violations} violations");
+    }
+    Ok(())
+}
+
+#[cfg(feature = "simulation")]
+fn simulate_stack(args: SimulateStackArgs) -> Result<()> {
+    use tenure::stack_simulation::{sweep, SimConfig};
+    let started = std::time::Instant::now();
+    #[derive(Default)]
+    struct Totals {
+        faults: usize,
+        operations: usize,
+        simulated: std::time::Duration,
+        failed: Vec<u64>,
+    }
+    let totals = std::sync::Mutex::new(Totals::default());
+    let configure = |seed| {
+        let mut config = SimConfig::new(seed);
+        config.fault_time = std::time::Duration::from_secs(args.fault_secs);
+        config.fencing = !args.no_fencing;
+        config
+    };
+    sweep(args.seed..args.seed + args.seeds, args.threads, configure, |seed, result| {
+        let mut totals = totals.lock().expect("totals");
+        let replay = format!(
+            "tenure simulate-stack --seed {seed} --seeds 1 --fault-secs {} --verbose",
+            args.fault_secs
+        );
+        match result {
+            Err(e) => {
+                println!("seed {seed} could not run: {e} (replay: {replay})");
+                totals.failed.push(seed);
+            }
+            Ok(outcome) => {
+                totals.faults += outcome.faults.len();
+                totals.operations += outcome.history.workers.len();
+                totals.simulated += outcome.simulated;
+                if !outcome.report.passed() {
+                    println!("seed {seed} FAILED (replay: {replay}):\n{}", outcome.report);
+                    totals.failed.push(seed);
+                }
+                if args.verbose {
+                    println!(
+                        "seed {seed}: {:.1} s simulated, faults {:?}; {} writes accepted, {} refused; \
+                         recovered {:?} ms after the last heal; history fingerprint {:016x}\n{}",
+                        outcome.simulated.as_secs_f64(),
+                        outcome.faults,
+                        outcome.writes_accepted,
+                        outcome.writes_refused,
+                        outcome.history.recovered_after_ms,
+                        outcome.fingerprint(),
+                        outcome.report
+                    );
+                }
+            }
+        }
+    });
+    let mut totals = totals.into_inner().expect("totals");
+    totals.failed.sort();
+    println!(
+        "{} seeds in {:.1} s ({:.0} s simulated): {} faults, {} worker operations, {} failing seeds {:?}",
+        args.seeds,
+        started.elapsed().as_secs_f64(),
+        totals.simulated.as_secs_f64(),
+        totals.faults,
+        totals.operations,
+        totals.failed.len(),
+        totals.failed
+    );
+    if !totals.failed.is_empty() {
+        bail!("{} seeds failed", totals.failed.len());
     }
     Ok(())
 }

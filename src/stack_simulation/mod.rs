@@ -622,3 +622,41 @@ impl Driver<'_> {
         }
     }
 }
+
+/// A scratch directory for one run's RocksDB data: on tmpfs when the machine has one, since
+/// every write is synced and the simulation waits for the disk.
+pub fn scratch_dir() -> std::io::Result<tempfile::TempDir> {
+    let shm = Path::new("/dev/shm");
+    match shm.is_dir() {
+        true => {
+            tempfile::Builder::new().prefix("tenure-sim-").tempdir_in(shm).or_else(|_| tempfile::tempdir())
+        }
+        false => tempfile::tempdir(),
+    }
+}
+
+/// Runs every seed of `seeds` on `threads` threads, each in a fresh scratch directory with the
+/// configuration `configure` gives it, and hands each result to `each` as it comes (from any of
+/// the threads). Each simulation is confined to its thread, so runs do not disturb each other.
+pub fn sweep(
+    seeds: std::ops::Range<u64>,
+    threads: usize,
+    configure: impl Fn(u64) -> SimConfig + Sync,
+    each: impl Fn(u64, Result<SimOutcome, SimError>) + Sync,
+) {
+    let next = std::sync::atomic::AtomicU64::new(seeds.start);
+    std::thread::scope(|scope| {
+        for _ in 0..threads.max(1) {
+            scope.spawn(|| loop {
+                let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if seed >= seeds.end {
+                    return;
+                }
+                let result = scratch_dir()
+                    .map_err(|e| SimError::Setup(format!("scratch directory: {e}")))
+                    .and_then(|dir| run(&configure(seed), dir.path()));
+                each(seed, result);
+            });
+        }
+    });
+}
