@@ -1,61 +1,67 @@
 //! The whole stack (openraft, tonic, RocksDB, the worker library) under turmoil's simulated
-//! network and clock: many seeds through the checker, the same history from the same seed, and
-//! a store without fencing caught.
+//! network and clock: many seeds through the checker, the same history from the same seed, a
+//! store without fencing caught, and the regression the sweep found.
 //!
-//! `TENURE_STACK_SEEDS` sets how many seeds the sweep runs (and `TENURE_SIM_SEED` the first);
-//! thousands are one command: `cargo run --release --features simulation -- simulate-stack`.
+//! Seeds run as `tenure simulate-stack` child processes, one process per seed, which is what
+//! makes a seed replay exactly (see `src/stack_simulation/`). `TENURE_STACK_SEEDS` sets how many
+//! seeds the sweep runs and `TENURE_SIM_SEED` the first; thousands are one command:
+//! `cargo run --release --features simulation -- simulate-stack --seeds 2000`.
 
-use std::sync::Mutex;
+use std::collections::BTreeSet;
+use std::process::Command;
 use std::time::Duration;
-use tenure::stack_simulation::{run, scratch_dir, sweep, SimConfig, SimFault, SimOutcome};
+use tenure::stack_simulation::{run, scratch_dir, SimConfig, SimFault, SimOutcome, SimSummary};
+
+/// Simulated seconds of faults per seed in the suite: a few faults each, so that many seeds fit.
+const FAULT_SECS: u64 = 4;
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
-/// The suite's runs: a few faults each, so that many seeds fit in the suite's time.
-fn short(seed: u64) -> SimConfig {
-    let mut config = SimConfig::new(seed);
-    config.fault_time = Duration::from_secs(4);
-    config
-}
-
-fn run_one(config: &SimConfig) -> SimOutcome {
-    let dir = scratch_dir().expect("scratch directory");
-    run(config, dir.path()).unwrap_or_else(|e| panic!("seed {} could not run: {e}", config.seed))
+/// Runs `tenure simulate-stack` with `args` and reads its JSON lines.
+fn simulate_stack(args: &[&str]) -> Vec<SimSummary> {
+    let output = Command::new(env!("CARGO_BIN_EXE_tenure"))
+        .args(["simulate-stack", "--json", "--fault-secs", &FAULT_SECS.to_string()])
+        .args(args)
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("tenure runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let summaries: Vec<SimSummary> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a summary ({e}): {l}")))
+        .collect();
+    assert!(!summaries.is_empty(), "no summary; stderr:\n{}", String::from_utf8_lossy(&output.stderr));
+    summaries
 }
 
 #[test]
 fn every_seed_keeps_every_invariant() {
     let first = env_u64("TENURE_SIM_SEED", 1000);
     let count = env_u64("TENURE_STACK_SEEDS", 100);
-    let failures = Mutex::new(Vec::new());
-    let kinds = Mutex::new(std::collections::BTreeSet::new());
-    let operations = Mutex::new(0usize);
-    sweep(first..first + count, 2, short, |seed, result| match result {
-        Err(e) => failures.lock().unwrap().push(format!("seed {seed} could not run: {e}")),
-        Ok(outcome) => {
-            let mut kinds = kinds.lock().unwrap();
-            for f in &outcome.faults {
-                kinds.insert(f.split(' ').next().unwrap_or_default().to_string());
-            }
-            *operations.lock().unwrap() += outcome.history.workers.len();
-            if !outcome.report.passed() {
-                failures.lock().unwrap().push(format!(
-                    "seed {seed} failed (replay: TENURE_SIM_SEED={seed} TENURE_STACK_SEEDS=1 cargo test \
-                     --all-features --test stack_simulation every_seed), faults {:?}:\n{}",
-                    outcome.faults, outcome.report
-                ));
-            }
-        }
-    });
-    let failures = failures.into_inner().unwrap();
+    let summaries =
+        simulate_stack(&["--seed", &first.to_string(), "--seeds", &count.to_string(), "--threads", "2"]);
+    assert_eq!(summaries.len() as u64, count, "one summary per seed");
+    let failures: Vec<String> = summaries
+        .iter()
+        .filter(|s| !s.passed)
+        .map(|s| {
+            format!(
+                "seed {} failed (replay: tenure simulate-stack --seed {} --seeds 1 --fault-secs {FAULT_SECS}), \
+                 faults {:?}:\n{}",
+                s.seed, s.seed, s.faults, s.report
+            )
+        })
+        .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
-    let kinds = kinds.into_inner().unwrap();
-    println!(
-        "{count} seeds, {} worker operations, fault kinds seen: {kinds:?}",
-        operations.into_inner().unwrap()
-    );
+    let kinds: BTreeSet<&str> = summaries
+        .iter()
+        .flat_map(|s| s.faults.iter().map(|f| f.split(' ').next().unwrap_or_default()))
+        .collect();
+    let operations: usize = summaries.iter().map(|s| s.worker_operations).sum();
+    println!("{count} seeds, {operations} worker operations, fault kinds: {kinds:?}");
+    assert!(operations > 0);
     if count >= 50 {
         assert_eq!(kinds.len(), SimFault::ALL.len(), "every fault kind was injected somewhere: {kinds:?}");
     }
@@ -63,38 +69,25 @@ fn every_seed_keeps_every_invariant() {
 
 #[test]
 fn a_seed_replays_the_same_history() {
-    // Twice in this process, on different threads, so that nothing but the seed is shared.
-    for seed in [3, 4] {
-        let config = short(seed);
-        let first = std::thread::scope(|s| s.spawn(|| run_one(&config)).join().expect("first run"));
-        let second = std::thread::scope(|s| s.spawn(|| run_one(&config)).join().expect("second run"));
-        assert!(!first.history.workers.is_empty() && !first.faults.is_empty(), "the run did something");
-        assert_eq!(first.faults, second.faults, "seed {seed}: the same faults");
-        if let Some(difference) = first_difference(&first, &second) {
-            panic!("seed {seed} replayed differently: {difference}");
-        }
-        assert_eq!(first.history, second.history, "seed {seed}: the same history, event for event");
-        assert_eq!(first.fingerprint(), second.fingerprint());
+    // Seeds whose runs include crashes of nodes and workers, each run twice in fresh processes:
+    // the fingerprint covers every recorded event and its simulated time.
+    for seed in [4, 16, 22] {
+        let first = simulate_stack(&["--seed", &seed.to_string(), "--seeds", "1"]);
+        let second = simulate_stack(&["--seed", &seed.to_string(), "--seeds", "1"]);
+        assert!(first[0].worker_operations > 0 && !first[0].faults.is_empty(), "the run did something");
+        assert_eq!(first, second, "seed {seed} replayed differently");
     }
 }
 
-/// Where two histories first part, stream by stream.
-fn first_difference(a: &SimOutcome, b: &SimOutcome) -> Option<String> {
-    fn first<T: std::fmt::Debug + PartialEq>(what: &str, a: &[T], b: &[T]) -> Option<String> {
-        let i = a
-            .iter()
-            .zip(b)
-            .position(|(x, y)| x != y)
-            .or((a.len() != b.len()).then(|| a.len().min(b.len())))?;
-        Some(format!("{what}[{i}] of {}/{}: {:?} against {:?}", a.len(), b.len(), a.get(i), b.get(i)))
-    }
-    let (a, b) = (&a.history, &b.history);
-    first("coordinator", &a.coordinator, &b.coordinator)
-        .or_else(|| first("workers", &a.workers, &b.workers))
-        .or_else(|| first("store", &a.store, &b.store))
-        .or_else(|| first("faults", &a.faults, &b.faults))
-        .or_else(|| first("final table", &a.final_table, &b.final_table))
-        .or_else(|| (a.recovered_after_ms != b.recovered_after_ms).then(|| "recovery time".to_string()))
+fn run_here(config: &SimConfig) -> SimOutcome {
+    let dir = scratch_dir().expect("scratch directory");
+    run(config, dir.path()).unwrap_or_else(|e| panic!("seed {} could not run: {e}", config.seed))
+}
+
+fn short(seed: u64) -> SimConfig {
+    let mut config = SimConfig::new(seed);
+    config.fault_time = Duration::from_secs(FAULT_SECS);
+    config
 }
 
 #[test]
@@ -103,10 +96,9 @@ fn a_store_without_fencing_is_caught() {
     config.fencing = false;
     config.faults = vec![SimFault::FreezeWorker];
     config.fault_time = Duration::from_secs(8);
-    let outcome = run_one(&config);
-    let failed = outcome.report.failed();
+    let outcome = run_here(&config);
     assert!(
-        failed.contains(&"the store never accepts a lower token after a higher one"),
+        outcome.report.failed().contains(&"the store never accepts a lower token after a higher one"),
         "late writes of frozen workers must get in without fencing, and be caught: faults {:?}\n{}",
         outcome.faults,
         outcome.report
@@ -122,7 +114,7 @@ fn nodes_find_each_other_again_after_links_lost_data() {
     for seed in [31, 32] {
         let mut config = short(seed);
         config.faults = vec![SimFault::LossyLinks];
-        let outcome = run_one(&config);
+        let outcome = run_here(&config);
         assert!(outcome.faults.len() >= 2, "seed {seed}: {:?}", outcome.faults);
         let recovered = outcome.history.recovered_after_ms;
         assert!(

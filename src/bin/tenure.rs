@@ -213,9 +213,15 @@ struct SimulateStackArgs {
     /// Print every seed's faults and figures, not only failures.
     #[arg(long)]
     verbose: bool,
+    /// One JSON summary line per seed instead of text.
+    #[arg(long)]
+    json: bool,
     /// Switch the store's fencing check off (the checker must then report violations).
     #[arg(long)]
     no_fencing: bool,
+    /// Only these fault kinds (comma separated); all of them by default.
+    #[arg(long, value_delimiter = ',')]
+    faults: Vec<String>,
 }
 
 #[derive(Args)]
@@ -448,73 +454,140 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
 
 #[cfg(feature = "simulation")]
 fn simulate_stack(args: SimulateStackArgs) -> Result<()> {
-    use tenure::stack_simulation::{sweep, SimConfig};
-    let started = std::time::Instant::now();
-    #[derive(Default)]
-    struct Totals {
-        faults: usize,
-        operations: usize,
-        simulated: std::time::Duration,
-        failed: Vec<u64>,
+    use tenure::stack_simulation::{run, scratch_dir, SimConfig, SimFault, SimSummary};
+    let mut faults = Vec::new();
+    for name in &args.faults {
+        match SimFault::ALL.iter().find(|f| f.name() == name) {
+            Some(f) => faults.push(*f),
+            None => bail!("unknown fault {name:?}; the kinds are {:?}", SimFault::ALL.map(SimFault::name)),
+        }
     }
-    let totals = std::sync::Mutex::new(Totals::default());
-    let configure = |seed| {
-        let mut config = SimConfig::new(seed);
+    let replay = |seed: u64| {
+        let mut command =
+            format!("tenure simulate-stack --seed {seed} --seeds 1 --fault-secs {}", args.fault_secs);
+        if args.no_fencing {
+            command.push_str(" --no-fencing");
+        }
+        if !args.faults.is_empty() {
+            command.push_str(&format!(" --faults {}", args.faults.join(",")));
+        }
+        command
+    };
+
+    if args.seeds == 1 {
+        // One seed runs here, in this fresh process: that is what makes it replay exactly.
+        let mut config = SimConfig::new(args.seed);
         config.fault_time = std::time::Duration::from_secs(args.fault_secs);
         config.fencing = !args.no_fencing;
-        config
-    };
-    sweep(args.seed..args.seed + args.seeds, args.threads, configure, |seed, result| {
-        let mut totals = totals.lock().expect("totals");
-        let replay = format!(
-            "tenure simulate-stack --seed {seed} --seeds 1 --fault-secs {} --verbose",
-            args.fault_secs
-        );
-        match result {
-            Err(e) => {
-                println!("seed {seed} could not run: {e} (replay: {replay})");
-                totals.failed.push(seed);
-            }
-            Ok(outcome) => {
-                totals.faults += outcome.faults.len();
-                totals.operations += outcome.history.workers.len();
-                totals.simulated += outcome.simulated;
-                if !outcome.report.passed() {
-                    println!("seed {seed} FAILED (replay: {replay}):\n{}", outcome.report);
-                    totals.failed.push(seed);
+        if !faults.is_empty() {
+            config.faults = faults;
+        }
+        let dir = scratch_dir().context("scratch directory")?;
+        // On a thread of its own: the simulation runs its own runtimes, which cannot start on
+        // one of this program's runtime threads.
+        let outcome = std::thread::scope(|s| s.spawn(|| run(&config, dir.path())).join())
+            .map_err(|_| anyhow::anyhow!("seed {} panicked", args.seed))?
+            .with_context(|| format!("seed {}", args.seed))?;
+        let summary = outcome.summary(args.seed);
+        if args.json {
+            println!("{}", serde_json::to_string(&summary)?);
+        } else {
+            print_summary(&summary, true);
+        }
+        if !summary.passed {
+            bail!("seed {} failed (replay: {})", args.seed, replay(args.seed));
+        }
+        return Ok(());
+    }
+
+    // Many seeds: each in a child process of its own, `threads` at a time.
+    let started = std::time::Instant::now();
+    let exe = std::env::current_exe().context("finding this program")?;
+    let next = std::sync::atomic::AtomicU64::new(args.seed);
+    let end = args.seed + args.seeds;
+    let summaries = std::sync::Mutex::new(Vec::new());
+    let failed = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..args.threads.max(1) {
+            scope.spawn(|| loop {
+                let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if seed >= end {
+                    return;
                 }
-                if args.verbose {
-                    println!(
-                        "seed {seed}: {:.1} s simulated, faults {:?}; {} writes accepted, {} refused; \
-                         recovered {:?} ms after the last heal; history fingerprint {:016x}\n{}",
-                        outcome.simulated.as_secs_f64(),
-                        outcome.faults,
-                        outcome.writes_accepted,
-                        outcome.writes_refused,
-                        outcome.history.recovered_after_ms,
-                        outcome.fingerprint(),
-                        outcome.report
-                    );
+                let mut child = std::process::Command::new(&exe);
+                child.args(["simulate-stack", "--json", "--seeds", "1"]);
+                child.args(["--seed", &seed.to_string(), "--fault-secs", &args.fault_secs.to_string()]);
+                if args.no_fencing {
+                    child.arg("--no-fencing");
                 }
-            }
+                if !args.faults.is_empty() {
+                    child.args(["--faults", &args.faults.join(",")]);
+                }
+                let output = child.stderr(std::process::Stdio::null()).output();
+                let summary = output.ok().and_then(|o| {
+                    let line = String::from_utf8_lossy(&o.stdout).lines().last()?.to_string();
+                    serde_json::from_str::<SimSummary>(&line).ok()
+                });
+                match summary {
+                    Some(summary) => {
+                        if args.json {
+                            println!("{}", serde_json::to_string(&summary).expect("a summary serializes"));
+                        } else if !summary.passed || args.verbose {
+                            print_summary(&summary, args.verbose);
+                        }
+                        if !summary.passed {
+                            println!("  replay: {}", replay(seed));
+                            failed.lock().expect("failed").push(seed);
+                        }
+                        summaries.lock().expect("summaries").push(summary);
+                    }
+                    None => {
+                        println!("seed {seed} could not run (replay: {})", replay(seed));
+                        failed.lock().expect("failed").push(seed);
+                    }
+                }
+            });
         }
     });
-    let mut totals = totals.into_inner().expect("totals");
-    totals.failed.sort();
-    println!(
-        "{} seeds in {:.1} s ({:.0} s simulated): {} faults, {} worker operations, {} failing seeds {:?}",
-        args.seeds,
-        started.elapsed().as_secs_f64(),
-        totals.simulated.as_secs_f64(),
-        totals.faults,
-        totals.operations,
-        totals.failed.len(),
-        totals.failed
-    );
-    if !totals.failed.is_empty() {
-        bail!("{} seeds failed", totals.failed.len());
+    let summaries = summaries.into_inner().expect("summaries");
+    let mut failed = failed.into_inner().expect("failed");
+    failed.sort();
+    let simulated_s: u64 = summaries.iter().map(|s| s.simulated_ms).sum::<u64>() / 1000;
+    let fault_count: usize = summaries.iter().map(|s| s.faults.len()).sum();
+    let operations: usize = summaries.iter().map(|s| s.worker_operations).sum();
+    if !args.json {
+        println!(
+            "{} seeds in {:.1} s ({simulated_s} s simulated): {fault_count} faults, {operations} worker \
+             operations, {} failing seeds {:?}",
+            args.seeds,
+            started.elapsed().as_secs_f64(),
+            failed.len(),
+            failed
+        );
+    }
+    if !failed.is_empty() {
+        bail!("{} seeds failed", failed.len());
     }
     Ok(())
+}
+
+#[cfg(feature = "simulation")]
+fn print_summary(s: &tenure::stack_simulation::SimSummary, details: bool) {
+    let verdict = if s.passed { "passed" } else { "FAILED" };
+    println!(
+        "seed {} {verdict}: {:.1} s simulated, faults {:?}; {} writes accepted, {} refused; recovered {:?} ms \
+         after the last heal; history fingerprint {}",
+        s.seed,
+        s.simulated_ms as f64 / 1000.0,
+        s.faults,
+        s.writes_accepted,
+        s.writes_refused,
+        s.recovered_after_ms,
+        s.fingerprint
+    );
+    if details || !s.passed {
+        print!("{}", s.report);
+    }
 }
 
 fn simulate(args: SimulateArgs) -> Result<()> {

@@ -27,6 +27,14 @@
 //!
 //! Afterwards the run waits for the table to be fully owned again and checks the history with
 //! the same [checker](crate::history::check) as the nemesis.
+//!
+//! One seed, one process: tokio numbers its tasks with a counter shared by the whole process,
+//! and a crashed host's tasks are dropped in an order that follows those numbers (dropping a
+//! connection sends on the simulated network). A second run in the same process therefore
+//! starts from other numbers and can part from the first at its first crash. `tenure
+//! simulate-stack` runs every seed in a fresh process of its own, which is also what a replay
+//! is. Tokio's own choices (which ready branch of a `select!` goes first) are seeded through
+//! turmoil, which needs the `tokio_unstable` cfg the project's `.cargo/config.toml` sets.
 
 mod net;
 
@@ -164,6 +172,42 @@ impl SimOutcome {
         let json = serde_json::to_vec(&self.history).expect("a history serializes");
         xxhash_rust::xxh64::xxh64(&json, 0)
     }
+
+    /// What a sweep keeps of the run of `seed`.
+    pub fn summary(&self, seed: u64) -> SimSummary {
+        SimSummary {
+            seed,
+            passed: self.report.passed(),
+            failed: self.report.failed().iter().map(|s| s.to_string()).collect(),
+            report: self.report.to_string(),
+            faults: self.faults.clone(),
+            worker_operations: self.history.workers.len(),
+            committed_decisions: self.history.coordinator.len(),
+            writes_accepted: self.writes_accepted,
+            writes_refused: self.writes_refused,
+            recovered_after_ms: self.history.recovered_after_ms,
+            simulated_ms: self.simulated.as_millis() as u64,
+            fingerprint: format!("{:016x}", self.fingerprint()),
+        }
+    }
+}
+
+/// One run, as a line of a sweep's output: enough to judge it, and a fingerprint of its whole
+/// history to compare with a replay.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SimSummary {
+    pub seed: u64,
+    pub passed: bool,
+    pub failed: Vec<String>,
+    pub report: String,
+    pub faults: Vec<String>,
+    pub worker_operations: usize,
+    pub committed_decisions: usize,
+    pub writes_accepted: usize,
+    pub writes_refused: usize,
+    pub recovered_after_ms: Option<u64>,
+    pub simulated_ms: u64,
+    pub fingerprint: String,
 }
 
 /// What a node last published about itself, read by the driver between steps.
@@ -633,30 +677,4 @@ pub fn scratch_dir() -> std::io::Result<tempfile::TempDir> {
         }
         false => tempfile::tempdir(),
     }
-}
-
-/// Runs every seed of `seeds` on `threads` threads, each in a fresh scratch directory with the
-/// configuration `configure` gives it, and hands each result to `each` as it comes (from any of
-/// the threads). Each simulation is confined to its thread, so runs do not disturb each other.
-pub fn sweep(
-    seeds: std::ops::Range<u64>,
-    threads: usize,
-    configure: impl Fn(u64) -> SimConfig + Sync,
-    each: impl Fn(u64, Result<SimOutcome, SimError>) + Sync,
-) {
-    let next = std::sync::atomic::AtomicU64::new(seeds.start);
-    std::thread::scope(|scope| {
-        for _ in 0..threads.max(1) {
-            scope.spawn(|| loop {
-                let seed = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if seed >= seeds.end {
-                    return;
-                }
-                let result = scratch_dir()
-                    .map_err(|e| SimError::Setup(format!("scratch directory: {e}")))
-                    .and_then(|dir| run(&configure(seed), dir.path()));
-                each(seed, result);
-            });
-        }
-    });
 }
