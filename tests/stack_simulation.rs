@@ -39,7 +39,7 @@ fn simulate_stack(args: &[&str]) -> Vec<SimSummary> {
 #[test]
 fn every_seed_keeps_every_invariant() {
     let first = env_u64("TENURE_SIM_SEED", 1000);
-    let count = env_u64("TENURE_STACK_SEEDS", 100);
+    let count = env_u64("TENURE_STACK_SEEDS", 200);
     let summaries =
         simulate_stack(&["--seed", &first.to_string(), "--seeds", &count.to_string(), "--threads", "2"]);
     assert_eq!(summaries.len() as u64, count, "one summary per seed");
@@ -62,7 +62,7 @@ fn every_seed_keeps_every_invariant() {
     let operations: usize = summaries.iter().map(|s| s.worker_operations).sum();
     println!("{count} seeds, {operations} worker operations, fault kinds: {kinds:?}");
     assert!(operations > 0);
-    if count >= 50 {
+    if count >= 100 {
         assert_eq!(kinds.len(), SimFault::ALL.len(), "every fault kind was injected somewhere: {kinds:?}");
     }
 }

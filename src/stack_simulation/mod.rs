@@ -161,7 +161,6 @@ pub struct SimOutcome {
     pub faults: Vec<String>,
     /// Simulated time the run took.
     pub simulated: Duration,
-    pub steps: u64,
     pub writes_accepted: usize,
     pub writes_refused: usize,
 }
@@ -312,7 +311,6 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
     let live_sessions: BTreeMap<String, SessionId> =
         (0..config.workers).filter_map(|n| driver.view(n).session.map(|s| (worker_name(n), s))).collect();
     let simulated = driver.now();
-    let steps = (simulated.as_millis()) as u64;
     let Driver { sim, shared, .. } = driver;
     drop(sim); // every host's runtime, and with it every node and worker, stops here
 
@@ -330,7 +328,7 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
     let report = history::check(&history);
     let writes_accepted = history.store.iter().filter(|r| r.accepted).count();
     let writes_refused = history.store.len() - writes_accepted;
-    Ok(SimOutcome { history, report, faults: described, simulated, steps, writes_accepted, writes_refused })
+    Ok(SimOutcome { history, report, faults: described, simulated, writes_accepted, writes_refused })
 }
 
 fn add_node(
