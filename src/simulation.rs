@@ -18,7 +18,7 @@
 //! (`crate::nemesis`) runs those for real.
 
 use crate::fence::FenceTable;
-use crate::history::{self, Committed, Fault, FinalRow, History, StoreRecord, WorkerOp, WorkerRecord};
+use crate::history::{self, Committed, Fault, History, StoreRecord, WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::lease::LeaseTable;
 use crate::ownership::{Command, Event, OwnershipState, Response};
@@ -767,13 +767,7 @@ impl Sim {
     }
 
     fn finish(mut self, recovered_ms: Option<u64>, events: u64) -> SimOutcome {
-        self.history.final_table = self
-            .state
-            .partitions()
-            .iter()
-            .enumerate()
-            .map(|(p, r)| FinalRow { partition: PartitionId(p as u32), owner: r.owner, token: r.token })
-            .collect();
+        self.history.final_table = self.state.final_table();
         self.history.live_sessions =
             self.workers.iter().filter_map(|w| w.session.map(|s| (w.name.clone(), s))).collect();
         self.history.recovered_after_ms = recovered_ms;

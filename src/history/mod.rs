@@ -146,4 +146,10 @@ impl History {
     pub fn new(partition_count: u32, lease_ttl_ms: u64) -> History {
         History { partition_count, lease_ttl_ms, ..History::default() }
     }
+
+    /// How many writes the store accepted, and how many it refused.
+    pub fn store_decisions(&self) -> (usize, usize) {
+        let accepted = self.store.iter().filter(|r| r.accepted).count();
+        (accepted, self.store.len() - accepted)
+    }
 }

@@ -594,8 +594,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
     history.recovered_after_ms = recovered_after.map(|d| d.as_millis() as u64);
     history.liveness_bound_ms = bound.as_millis() as u64;
     let report = history::check(&history);
-    let writes_accepted = history.store.iter().filter(|r| r.accepted).count();
-    let writes_refused = history.store.len() - writes_accepted;
+    let (writes_accepted, writes_refused) = history.store_decisions();
     Ok(Outcome { history, report, writes_accepted, writes_refused, faults: counts })
 }
 

@@ -326,8 +326,7 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
     history.recovered_after_ms = recovered_after.map(|d| d.as_millis() as u64);
     history.liveness_bound_ms = bound.as_millis() as u64;
     let report = history::check(&history);
-    let writes_accepted = history.store.iter().filter(|r| r.accepted).count();
-    let writes_refused = history.store.len() - writes_accepted;
+    let (writes_accepted, writes_refused) = history.store_decisions();
     Ok(SimOutcome { history, report, faults: described, simulated, writes_accepted, writes_refused })
 }
 
@@ -382,13 +381,7 @@ fn add_node(
 fn publish_state(node: &server::RunningNode) -> Published {
     let metrics = node.raft().metrics().borrow().clone();
     let applied = node.node.state.read().expect("state lock poisoned");
-    let rows = applied
-        .state
-        .partitions()
-        .iter()
-        .enumerate()
-        .map(|(p, r)| FinalRow { partition: PartitionId(p as u32), owner: r.owner, token: r.token })
-        .collect();
+    let rows = applied.state.final_table();
     Published {
         leader: metrics.current_leader == Some(node.node.config.id)
             && metrics.state == openraft::ServerState::Leader,
