@@ -462,17 +462,20 @@ fn simulate_stack(args: SimulateStackArgs) -> Result<()> {
             None => bail!("unknown fault {name:?}; the kinds are {:?}", SimFault::ALL.map(SimFault::name)),
         }
     }
-    let replay = |seed: u64| {
-        let mut command =
-            format!("tenure simulate-stack --seed {seed} --seeds 1 --fault-secs {}", args.fault_secs);
+    // The arguments that run one seed alone: a child of a sweep, and the replay it prints.
+    let one_seed = |seed: u64| {
+        let mut one =
+            ["simulate-stack", "--seed", &seed.to_string(), "--seeds", "1"].map(String::from).to_vec();
+        one.extend(["--fault-secs".into(), args.fault_secs.to_string()]);
         if args.no_fencing {
-            command.push_str(" --no-fencing");
+            one.push("--no-fencing".into());
         }
         if !args.faults.is_empty() {
-            command.push_str(&format!(" --faults {}", args.faults.join(",")));
+            one.extend(["--faults".into(), args.faults.join(",")]);
         }
-        command
+        one
     };
+    let replay = |seed: u64| format!("tenure {}", one_seed(seed).join(" "));
 
     if args.seeds == 1 {
         // One seed runs here, in this fresh process: that is what makes it replay exactly.
@@ -514,16 +517,11 @@ fn simulate_stack(args: SimulateStackArgs) -> Result<()> {
                 if seed >= end {
                     return;
                 }
-                let mut child = std::process::Command::new(&exe);
-                child.args(["simulate-stack", "--json", "--seeds", "1"]);
-                child.args(["--seed", &seed.to_string(), "--fault-secs", &args.fault_secs.to_string()]);
-                if args.no_fencing {
-                    child.arg("--no-fencing");
-                }
-                if !args.faults.is_empty() {
-                    child.args(["--faults", &args.faults.join(",")]);
-                }
-                let output = child.stderr(std::process::Stdio::null()).output();
+                let output = std::process::Command::new(&exe)
+                    .args(one_seed(seed))
+                    .arg("--json")
+                    .stderr(std::process::Stdio::null())
+                    .output();
                 let summary = output.ok().and_then(|o| {
                     let line = String::from_utf8_lossy(&o.stdout).lines().last()?.to_string();
                     serde_json::from_str::<SimSummary>(&line).ok()

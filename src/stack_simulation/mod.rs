@@ -545,14 +545,6 @@ impl Driver<'_> {
         self.shared.published.lock().expect("published").remove(&id);
     }
 
-    fn hold(&self, a: &str, b: &str) {
-        self.sim.hold(a, b);
-    }
-
-    fn release(&self, a: &str, b: &str) {
-        self.sim.release(a, b);
-    }
-
     /// Injects one fault, lets it last, heals it; returns a description.
     fn inject(&mut self, kind: SimFault, rng: &mut StdRng) -> Result<String, SimError> {
         let ttl = self.config.lease_ttl;
@@ -585,11 +577,11 @@ impl Driver<'_> {
                 let n = rng.random_range(0..self.config.workers);
                 let cut = jitter(rng, ttl * 3 / 2, ttl * 3);
                 for node in &nodes {
-                    self.hold(&workers[n], node);
+                    self.sim.hold(workers[n].as_str(), node.as_str());
                 }
                 self.advance(cut)?;
                 for node in &nodes {
-                    self.release(&workers[n], node);
+                    self.sim.release(workers[n].as_str(), node.as_str());
                 }
                 Ok(format!("{name} {} for {} ms", workers[n], cut.as_millis()))
             }
@@ -601,11 +593,11 @@ impl Driver<'_> {
                 }
                 let lasts = jitter(rng, election * 4, ttl * 2);
                 for other in &cut {
-                    self.hold(&leader, other);
+                    self.sim.hold(leader.as_str(), other.as_str());
                 }
                 self.advance(lasts)?;
                 for other in &cut {
-                    self.release(&leader, other);
+                    self.sim.release(leader.as_str(), other.as_str());
                 }
                 Ok(format!("{name} {leader} for {} ms", lasts.as_millis()))
             }
