@@ -12,8 +12,12 @@
 //!   heartbeats do not extend it.
 //! - A new leader starts every lease at the moment it took over plus `ttl` ([`LeaseTable::reset`]),
 //!   so it never expires a lease earlier than the old leader could have.
+//! - `ttl` is the cluster's replicated TTL, the one workers were told when they joined, never a
+//!   node's own setting; changing it ([`LeaseTable::set_ttl`]) never moves a deadline earlier.
+//! - An expiry of a revoking partition names the grant (its token) it was computed for, so it
+//!   cannot take away a later revoke of the same partition from the same session.
 
-use crate::ids::{PartitionId, SessionId};
+use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::ownership::{Event, OwnershipState};
 use std::collections::HashMap;
 use std::time::Duration;
@@ -28,6 +32,8 @@ struct SessionLease {
 #[derive(Clone, Copy, Debug)]
 struct RevokingLease {
     session: SessionId,
+    /// The grant being revoked.
+    token: FencingToken,
     deadline: Instant,
     /// When the revoke was applied, for the move latency.
     since: Instant,
@@ -48,7 +54,8 @@ enum RevokePhase {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Due {
     pub sessions: Vec<SessionId>,
-    pub revoking: Vec<(PartitionId, SessionId)>,
+    /// Each revoking grant whose lease ran out: partition, owner, and the grant's token.
+    pub revoking: Vec<(PartitionId, SessionId, FencingToken)>,
 }
 
 impl Due {
@@ -74,6 +81,13 @@ impl LeaseTable {
         self.ttl
     }
 
+    /// Follows the cluster's TTL (the leader learns it from the replicated configuration, which
+    /// may be applied after the table was built). Only renewals and sessions from now on use it;
+    /// a deadline already set is never moved earlier, since a worker may have been told it.
+    pub fn set_ttl(&mut self, ttl: Duration) {
+        self.ttl = ttl;
+    }
+
     /// Starts over on taking leadership: every lease runs until `now + ttl`.
     pub fn reset(&mut self, now: Instant, state: &OwnershipState) {
         self.sessions.clear();
@@ -84,7 +98,13 @@ impl LeaseTable {
         }
         for (p, record) in state.partitions().iter().enumerate() {
             if let (Some(session), true) = (record.owner, record.revoking) {
-                let lease = RevokingLease { session, deadline, since: now, phase: RevokePhase::Pending };
+                let lease = RevokingLease {
+                    session,
+                    token: record.token,
+                    deadline,
+                    since: now,
+                    phase: RevokePhase::Pending,
+                };
                 self.revoking.insert(PartitionId(p as u32), lease);
             }
         }
@@ -110,10 +130,11 @@ impl LeaseTable {
                 Event::SessionEnded { session } => {
                     self.sessions.remove(session);
                 }
-                Event::Revoking { partition, session, .. } => {
+                Event::Revoking { partition, session, token } => {
                     let deadline = self.sessions.get(session).map(|l| l.deadline).unwrap_or(now + self.ttl);
                     self.revoking.entry(*partition).or_insert(RevokingLease {
                         session: *session,
+                        token: *token,
                         deadline,
                         since: now,
                         phase: RevokePhase::Pending,
@@ -134,21 +155,30 @@ impl LeaseTable {
         moves
     }
 
-    /// Records a renewal that arrived at `received`. False when the session is unknown to the
-    /// table or already due for expiry: the renewal must then be refused.
+    /// Records a renewal that arrived at `received` for a session the replicated state holds.
+    /// False when the session is already due for expiry: the renewal must then be refused.
+    ///
+    /// A session the table has not heard of has started (the caller found it in the state)
+    /// but its start has not been observed here yet: the first heartbeat of a new worker can
+    /// overtake the applied events, all the more when the entry that started it also granted
+    /// a large table. It starts now, as observing its start would have.
     pub fn renew(&mut self, session: SessionId, received: Instant) -> bool {
-        match self.sessions.get_mut(&session) {
-            Some(lease) if !lease.expiring => {
-                lease.deadline = lease.deadline.max(received + self.ttl);
-                true
-            }
-            _ => false,
+        let ttl = self.ttl;
+        let lease = self
+            .sessions
+            .entry(session)
+            .or_insert(SessionLease { deadline: received + ttl, expiring: false });
+        if lease.expiring {
+            return false;
         }
+        lease.deadline = lease.deadline.max(received + ttl);
+        true
     }
 
-    /// Whether a renewal for `session` could still succeed (used before the quorum round).
+    /// Whether a renewal for `session` could still succeed (used before the quorum round). A
+    /// session not heard of yet could (see [`LeaseTable::renew`]).
     pub fn renewable(&self, session: SessionId, now: Instant) -> bool {
-        matches!(self.sessions.get(&session), Some(l) if !l.expiring && l.deadline > now)
+        self.sessions.get(&session).is_none_or(|l| !l.expiring && l.deadline > now)
     }
 
     /// Reports the leases whose deadline has passed. Each is reported until the expiry is applied
@@ -164,7 +194,7 @@ impl LeaseTable {
         for (partition, lease) in self.revoking.iter_mut() {
             if lease.phase != RevokePhase::Gone && lease.deadline <= now {
                 lease.phase = RevokePhase::Expiring;
-                due.revoking.push((*partition, lease.session));
+                due.revoking.push((*partition, lease.session, lease.token));
             }
         }
         due.sessions.sort();

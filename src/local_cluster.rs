@@ -179,6 +179,19 @@ impl LocalCluster {
         }
     }
 
+    /// Restarts a stopped node with its configuration changed by `tune`, as an operator who
+    /// restarts it with other flags would.
+    pub async fn restart_with(
+        &mut self,
+        id: NodeId,
+        tune: impl FnOnce(&mut NodeConfig),
+    ) -> Result<(), server::NodeError> {
+        if let Some(config) = self.configs.get_mut(&id) {
+            tune(config);
+        }
+        self.restart(id).await
+    }
+
     pub async fn shutdown(mut self) {
         let ids: Vec<NodeId> = self.nodes.keys().copied().collect();
         for id in ids {
@@ -193,7 +206,7 @@ impl LocalCluster {
             None => self.addrs()[0].clone(),
         };
         let client = Client::new(vec![addr])?;
-        client.call(|mut c| async move { c.status(proto::StatusRequest {}).await }).await
+        client.status().await
     }
 }
 

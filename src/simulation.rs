@@ -427,7 +427,8 @@ impl Sim {
                     return;
                 }
                 let at = self.instant(received);
-                if !self.leases.renew(session, at) {
+                // As the server does: the session must be in the applied state to be renewed.
+                if self.state.session(session).is_none() || !self.leases.renew(session, at) {
                     self.send(w, Ev::SessionGone { w, session });
                     return;
                 }
@@ -718,7 +719,13 @@ impl Sim {
                         self.record(w, partition, token, WorkerOp::Revoked, self.now, None);
                     }
                     let secret = format!("{}-{}", self.workers[w].name, self.workers[w].life);
-                    let command = Command::Release { session, secret, partitions: vec![partition] };
+                    // As the library does: the release names the grant it gives back.
+                    let command = Command::Release {
+                        session,
+                        secret,
+                        partitions: vec![partition],
+                        tokens: vec![token],
+                    };
                     self.send(w, Ev::Propose { command, from: Some(w) });
                 }
             }

@@ -23,21 +23,33 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     let leader = c.leader().unwrap();
     let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
 
-    let err =
-        client.heartbeat(proto::HeartbeatRequest { session_id: 999, secret: "x".into() }).await.unwrap_err();
+    let err = client
+        .heartbeat(proto::HeartbeatRequest { session_id: 999, secret: "x".into(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_session"));
 
     let session_id = w.session().0;
-    let err =
-        client.heartbeat(proto::HeartbeatRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
+    let err = client
+        .heartbeat(proto::HeartbeatRequest { session_id, secret: "not-it".into(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "wrong_secret"));
 
     // On the heartbeat stream, a refusal is the stream's end, with the same status.
-    let requests = tokio_stream::iter([proto::HeartbeatRequest { session_id, secret: "not-it".into() }]);
+    let requests = tokio_stream::iter([proto::HeartbeatRequest {
+        session_id,
+        secret: "not-it".into(),
+        ..Default::default()
+    }]);
     let mut answers = client.heartbeats(requests).await.unwrap().into_inner();
     let err = answers.message().await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "wrong_secret"));
-    let requests = tokio_stream::iter([proto::HeartbeatRequest { session_id: 999, secret: "x".into() }]);
+    let requests = tokio_stream::iter([proto::HeartbeatRequest {
+        session_id: 999,
+        secret: "x".into(),
+        ..Default::default()
+    }]);
     let mut answers = client.heartbeats(requests).await.unwrap().into_inner();
     let err = answers.message().await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_session"));
@@ -51,6 +63,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
             secret: "not-it".into(),
             partitions: vec![0],
             all: false,
+            tokens: vec![],
         })
         .await
         .unwrap_err();
@@ -60,7 +73,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     assert_eq!(kind(&err), "wrong_secret");
 
     let err = client
-        .heartbeat(proto::HeartbeatRequest { session_id, secret: "x".repeat(10_000) })
+        .heartbeat(proto::HeartbeatRequest { session_id, secret: "x".repeat(10_000), ..Default::default() })
         .await
         .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"));
@@ -123,7 +136,13 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
         let stream = client.heartbeats(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
         held.push((tx, stream.expect("a heartbeat stream within its own budget")));
     }
-    let beats = || tokio_stream::iter([proto::HeartbeatRequest { session_id: 999, secret: "x".into() }]);
+    let beats = || {
+        tokio_stream::iter([proto::HeartbeatRequest {
+            session_id: 999,
+            secret: "x".into(),
+            ..Default::default()
+        }])
+    };
     let err = client.heartbeats(beats()).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_streams"));
     drop(held.pop());

@@ -76,7 +76,11 @@ fn revoking_partitions_keep_the_deadline_they_had_when_revoked() {
     table.observe(t0 + 200 * MS, &[Event::Revoking { partition: p, session: a, token: FencingToken(2) }]);
     assert!(table.renew(a, t0 + 900 * MS));
     let due = table.due(t0 + TTL);
-    assert_eq!(due, Due { sessions: vec![], revoking: vec![(p, a)] }, "the revoked lease was not extended");
+    assert_eq!(
+        due,
+        Due { sessions: vec![], revoking: vec![(p, a, FencingToken(2))] },
+        "the revoked lease was not extended"
+    );
     // Released and granted: no longer tracked, and the move latency is reported.
     table.observe(t0 + TTL, &[Event::Released { partition: p, session: a, token: FencingToken(2) }]);
     let moves = table.observe(
@@ -85,4 +89,41 @@ fn revoking_partitions_keep_the_deadline_they_had_when_revoked() {
     );
     assert_eq!(moves, vec![TTL - 200 * MS + 5 * MS]);
     assert!(table.due(t0 + TTL * 3).revoking.is_empty());
+}
+
+#[test]
+fn the_cluster_ttl_applies_to_renewals_from_now_on_and_moves_no_deadline_earlier() {
+    // The leader's table starts with a guess (no configuration applied yet) and follows the
+    // replicated TTL once it is known.
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(TTL);
+    let a = SessionId(1);
+    table.observe(t0, &[Event::SessionStarted { session: a, name: "a".into() }]);
+    assert!(table.renew(a, t0));
+    table.set_ttl(TTL * 4);
+    assert_eq!(table.ttl(), TTL * 4);
+    assert!(table.renew(a, t0 + MS));
+    assert!(table.due(t0 + TTL * 4).is_empty(), "renewed under the cluster's TTL");
+    assert_eq!(table.due(t0 + TTL * 4 + MS).sessions, vec![a]);
+    // A shorter TTL does not take back what was promised.
+    let mut table = LeaseTable::new(TTL * 4);
+    table.observe(t0, &[Event::SessionStarted { session: a, name: "a".into() }]);
+    assert!(table.renew(a, t0));
+    table.set_ttl(TTL);
+    assert!(table.renew(a, t0 + MS));
+    assert!(table.due(t0 + TTL * 4 - MS).is_empty(), "no deadline moves earlier");
+}
+
+#[test]
+fn a_first_heartbeat_that_overtakes_the_sessions_start_is_renewed() {
+    // The caller found the session in the applied state; the table has not seen it start yet.
+    let t0 = Instant::now();
+    let mut table = LeaseTable::new(TTL);
+    let a = SessionId(7);
+    assert!(table.renewable(a, t0));
+    assert!(table.renew(a, t0));
+    // Observing its start afterwards does not move the deadline the renewal set.
+    table.observe(t0 + 300 * MS, &[Event::SessionStarted { session: a, name: "a".into() }]);
+    assert!(table.due(t0 + TTL - MS).is_empty());
+    assert_eq!(table.due(t0 + TTL).sessions, vec![a]);
 }

@@ -92,6 +92,9 @@ fn a_lease_counted_from_the_reply_is_caught() {
             believers >= at_least,
             "slow {slow}: only {believers} of 100 seeds exposed the bug: {failed:?}"
         );
-        assert!(failed.iter().flatten().all(|f| *f == "one believer at any instant"), "{failed:?}");
+        // Believing past the expiry shows as two believers, and as a belief that outlived
+        // the grant the leader expired; nothing else breaks.
+        let symptoms = ["one believer at any instant", "no belief outlives its grant"];
+        assert!(failed.iter().flatten().all(|f| symptoms.contains(f)), "{failed:?}");
     }
 }

@@ -80,3 +80,55 @@ async fn applied_rows_and_tokens_survive_reopening() {
     drop(applied);
     drop(db);
 }
+
+/// A store with a configured table of `partitions`, two sessions, applied up to index 3.
+async fn applied_store(dir: &std::path::Path, partitions: u32) -> StateMachineStore {
+    let mut sm = StateMachineStore::open(tenure::store::open(dir).unwrap()).unwrap();
+    sm.apply(vec![
+        entry(1, Command::Configure { partition_count: partitions, lease_ttl_ms: 1000 }),
+        entry(2, Command::Join { name: "w1".into(), weight: 1, secret: "s1".into() }),
+        entry(3, Command::Join { name: "w2".into(), weight: 1, secret: "s2".into() }),
+    ])
+    .await
+    .unwrap();
+    sm
+}
+
+#[tokio::test]
+async fn snapshots_are_binary_with_a_format_version_and_an_unknown_version_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut sm = applied_store(dir.path(), 4096).await;
+    let mut builder = sm.get_snapshot_builder().await;
+    let snapshot = openraft::RaftSnapshotBuilder::build_snapshot(&mut builder).await.unwrap();
+    let data = snapshot.snapshot.into_inner();
+    assert_eq!(data[0], tenure::store::SNAPSHOT_FORMAT);
+    // The table alone as JSON rows, for scale: the binary snapshot is several times smaller.
+    let json_rows = serde_json::to_vec(sm.shared().read().unwrap().state.partitions()).unwrap();
+    assert!(
+        data.len() * 3 < json_rows.len(),
+        "{} bytes of snapshot, {} of JSON rows",
+        data.len(),
+        json_rows.len()
+    );
+
+    // What this build wrote is what it reads back, after reopening.
+    drop((sm, builder));
+    let mut reopened = StateMachineStore::open(tenure::store::open(dir.path()).unwrap()).unwrap();
+    let current = reopened.get_current_snapshot().await.unwrap().expect("stored");
+    assert_eq!(current.snapshot.into_inner(), data);
+
+    // A snapshot of a format this build does not know stops the install with a storage
+    // error (openraft then stops the node) and changes nothing.
+    let other = tempfile::tempdir().unwrap();
+    let mut fresh = applied_store(other.path(), 8).await;
+    let mut unknown = data.clone();
+    unknown[0] = tenure::store::SNAPSHOT_FORMAT + 1;
+    let refused = fresh.install_snapshot(&snapshot.meta, Box::new(std::io::Cursor::new(unknown))).await;
+    let message = refused.expect_err("an unknown format is refused").to_string();
+    assert!(message.contains("format version"), "{message}");
+    let garbage =
+        fresh.install_snapshot(&snapshot.meta, Box::new(std::io::Cursor::new(vec![1, 0xff, 0xff]))).await;
+    assert!(garbage.is_err());
+    assert_eq!(fresh.shared().read().unwrap().state.partitions().len(), 8, "the table is untouched");
+    assert_eq!(fresh.applied_state().await.unwrap().0.map(|l| l.index), Some(3));
+}

@@ -460,7 +460,11 @@ async fn leader_loss(table: &mut Table, trials: usize) -> Result<()> {
     let joined = client
         .call(|mut c| async move { c.join(proto::JoinRequest { name: "probe".into(), weight: 1 }).await })
         .await?;
-    let beat = proto::HeartbeatRequest { session_id: joined.session_id, secret: joined.secret.clone() };
+    let beat = proto::HeartbeatRequest {
+        session_id: joined.session_id,
+        secret: joined.secret.clone(),
+        ..Default::default()
+    };
     let (mut elected, mut renewed, mut granted) = (Vec::new(), Vec::new(), Vec::new());
     for trial in 0..trials {
         // Each trial starts from a cluster that has been quiet under one leader for a while, as
@@ -594,7 +598,11 @@ async fn join_sessions(client: &Client, sessions: usize) -> Result<Vec<proto::He
                         async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
                     })
                     .await?;
-                Ok::<_, anyhow::Error>(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret })
+                Ok::<_, anyhow::Error>(proto::HeartbeatRequest {
+                    session_id: r.session_id,
+                    secret: r.secret,
+                    ..Default::default()
+                })
             }
         })
         .buffer_unordered(32)

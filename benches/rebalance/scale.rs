@@ -123,8 +123,11 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
     for (session, mine) in revoked.into_iter().take(20) {
         index += 1;
         let secret = format!("secret-{}", session.0);
-        let (_, took) =
-            timed_apply(&mut state, index, Command::Release { session, secret, partitions: mine })?;
+        let (_, took) = timed_apply(
+            &mut state,
+            index,
+            Command::Release { tokens: vec![], session, secret, partitions: mine },
+        )?;
         release_ms.push(std::time::Duration::from_secs_f64(took / 1000.0));
     }
     let release_ms = Sample::new(release_ms);

@@ -390,8 +390,7 @@ async fn ctl(args: CtlArgs) -> Result<()> {
     let client = tenure::worker::Client::new(args.coordinators)?;
     match args.what {
         CtlCommand::Status => {
-            let status =
-                client.call(|mut c| async move { c.status(tenure::proto::StatusRequest {}).await }).await?;
+            let status = client.status().await?;
             print!("{}", tenure::demo::render_status(&status));
         }
     }

@@ -89,6 +89,7 @@ pub fn check(history: &History) -> Report {
             token_monotonicity(&log.entries),
             one_owner(&log.entries),
             one_believer(history),
+            belief_ends_before_the_grant(history),
             fencing(history),
             durability(history, &log.entries),
             liveness(history),
@@ -273,6 +274,49 @@ fn one_believer(history: &History) -> Verdict {
                     "{p}: {} (session {}, token {}) believed it until {} ns, but {} (session {}, token {}) \
                      believed it from {} ns",
                     a.worker, a.session.0, a.token, a.until, b.worker, b.session.0, b.token, b.from
+                ));
+            }
+        }
+    }
+    v
+}
+
+/// A worker never acts believing in a grant after the coordinator ended it: belief ends before
+/// the message that gives a partition away (a release, a leave) is sent, and before the lease
+/// the leader judges runs out. The evidence is positive: an operation that began, believing,
+/// after a replica was seen applying the grant's release or loss. Decisions read back from a
+/// log after the run carry no time and are not used here.
+fn belief_ends_before_the_grant(history: &History) -> Verdict {
+    let mut v = Verdict::new("no belief outlives its grant");
+    let mut ended: BTreeMap<(PartitionId, SessionId, FencingToken), &Committed> = BTreeMap::new();
+    for c in &history.coordinator {
+        if c.at_ns > 0 && matches!(c.decision, Decision::Released | Decision::Lost) {
+            let seen = ended.entry((c.partition, c.session, c.token)).or_insert(c);
+            if c.at_ns < seen.at_ns {
+                *seen = c;
+            }
+        }
+    }
+    for r in &history.workers {
+        let believing = r.believed_until_ns.is_some_and(|until| until > r.start_ns);
+        if !believing || !matches!(r.op, WorkerOp::Acquired | WorkerOp::Wrote | WorkerOp::Refused) {
+            continue;
+        }
+        if let Some(end) = ended.get(&(r.partition, r.session, r.token)) {
+            if r.start_ns > end.at_ns {
+                v.violation(format!(
+                    "{} ({:?} at {} ns) believed {} under token {} (session {}), which node {} saw {:?} \
+                     at index {} at {} ns",
+                    r.worker,
+                    r.op,
+                    r.start_ns,
+                    r.partition,
+                    r.token,
+                    r.session.0,
+                    end.node,
+                    end.decision,
+                    end.index,
+                    end.at_ns
                 ));
             }
         }

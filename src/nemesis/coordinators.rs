@@ -67,6 +67,19 @@ impl Coordinators {
         }
     }
 
+    /// Restarts a killed node with `lease_ttl` on its command line instead of the cluster's;
+    /// it keeps that flag for the rest of the run.
+    pub(crate) async fn restart_with_ttl(&mut self, id: NodeId, lease_ttl: Duration) -> Result<(), String> {
+        match self {
+            Coordinators::InProcess(c) => {
+                c.restart_with(id, |config| config.lease_ttl = lease_ttl).await.map_err(|e| e.to_string())
+            }
+            Coordinators::Processes(c) => {
+                c.restart_with_ttl(id, lease_ttl).map_err(|e: ProcessError| e.to_string())
+            }
+        }
+    }
+
     /// Freezes a node process (SIGSTOP) or wakes it (SIGCONT); `false` for an in-process node,
     /// which cannot be frozen alone (the nemesis then cuts its every link instead, which is
     /// what peers and workers see of a frozen process, minus the stale timers it wakes with).

@@ -64,7 +64,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use workload::{LocalSlot, Slot, SlotCommand};
+use workload::{Action, LocalSlot, Slot, SlotCommand};
 
 /// One kind of fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -79,10 +79,18 @@ pub enum FaultKind {
     KillFollower,
     KillAll,
     SlowNetwork,
+    /// A node is killed and restarted with another `--lease-ttl-ms` than the cluster's.
+    RestartOtherFlags,
+    /// What applications do of their own accord (not faults, but paths the invariants must
+    /// hold on): release a partition that was never revoked, leave, drop the `Worker`; the
+    /// last two join again under the same name.
+    ReleaseOwnAccord,
+    LeaveWorker,
+    DropWorker,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 10] = [
+    pub const ALL: [FaultKind; 14] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
@@ -93,6 +101,10 @@ impl FaultKind {
         FaultKind::KillFollower,
         FaultKind::KillAll,
         FaultKind::SlowNetwork,
+        FaultKind::RestartOtherFlags,
+        FaultKind::ReleaseOwnAccord,
+        FaultKind::LeaveWorker,
+        FaultKind::DropWorker,
     ];
 
     pub fn name(self) -> &'static str {
@@ -107,6 +119,10 @@ impl FaultKind {
             FaultKind::KillFollower => "kill-follower",
             FaultKind::KillAll => "kill-all",
             FaultKind::SlowNetwork => "slow-network",
+            FaultKind::RestartOtherFlags => "restart-other-flags",
+            FaultKind::ReleaseOwnAccord => "release-own-accord",
+            FaultKind::LeaveWorker => "leave-worker",
+            FaultKind::DropWorker => "drop-worker",
         }
     }
 
@@ -669,6 +685,28 @@ async fn inject(
             };
             slot.send(command).await.map_err(NemesisError::Worker)?;
             Ok(format!("{} {} for {} ms", kind.name(), slot.name(), pause.as_millis()))
+        }
+        FaultKind::ReleaseOwnAccord | FaultKind::LeaveWorker | FaultKind::DropWorker => {
+            let slot = &slots[rng.random_range(0..slots.len())];
+            let action = match kind {
+                FaultKind::ReleaseOwnAccord => Action::Release,
+                FaultKind::LeaveWorker => Action::Leave,
+                _ => Action::Drop,
+            };
+            slot.send(SlotCommand::Act(action)).await.map_err(NemesisError::Worker)?;
+            Ok(format!("{} {}", kind.name(), slot.name()))
+        }
+        FaultKind::RestartOtherFlags => {
+            // The leader, so that the cluster must hand leadership on, and the odd node may
+            // lead later with a TTL flag that disagrees with the cluster's.
+            let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+            let flag = if rng.random_range(0..2) == 0 { ttl / 4 } else { ttl * 3 };
+            cluster.kill(leader).await;
+            let down = jitter(rng, Duration::from_millis(200), ttl);
+            tokio::time::sleep(down).await;
+            cluster.restart_with_ttl(leader, flag).await.map_err(|e| NemesisError::Restart(leader, e))?;
+            recorder.follow(cluster, leader);
+            Ok(format!("{} node {leader} with --lease-ttl-ms {}", kind.name(), flag.as_millis()))
         }
         FaultKind::PartitionWorker => {
             let n = rng.random_range(0..slots.len());

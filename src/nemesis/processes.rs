@@ -78,6 +78,8 @@ pub struct ProcessCluster {
     /// What peers and workers dial: the proxies.
     addrs: BTreeMap<NodeId, SocketAddr>,
     proxies: BTreeMap<NodeId, FaultProxy>,
+    /// Nodes restarted with another lease TTL flag than the cluster's.
+    ttl_flags: BTreeMap<NodeId, Duration>,
 }
 
 impl ProcessCluster {
@@ -90,6 +92,7 @@ impl ProcessCluster {
             listen: BTreeMap::new(),
             addrs: BTreeMap::new(),
             proxies: BTreeMap::new(),
+            ttl_flags: BTreeMap::new(),
         };
         for id in 1..=n {
             // A port free on the node's own address; the process binds it a moment later.
@@ -125,7 +128,10 @@ impl ProcessCluster {
             .arg("--data-dir")
             .arg(self.dir.join(format!("node-{id}")))
             .args(["--partitions", &s.partition_count.to_string()])
-            .args(["--lease-ttl-ms", &s.lease_ttl.as_millis().to_string()])
+            .args([
+                "--lease-ttl-ms",
+                &self.ttl_flags.get(&id).unwrap_or(&s.lease_ttl).as_millis().to_string(),
+            ])
             .args(["--election-timeout-ms", &s.election_timeout.as_millis().to_string()])
             .args(["--raft-heartbeat-ms", &(s.election_timeout / 6).as_millis().to_string()])
             .args(["--snapshot-after-logs", &s.snapshot_after_logs.to_string()])
@@ -167,8 +173,7 @@ impl ProcessCluster {
     /// Asks node `id` directly (not through its proxy) for its status.
     async fn status_of(&self, id: NodeId) -> Option<proto::StatusResponse> {
         let client = Client::new(vec![self.listen[&id].to_string()]).ok()?;
-        let call = client.call(|mut c| async move { c.status(proto::StatusRequest {}).await });
-        tokio::time::timeout(Duration::from_millis(500), call).await.ok()?.ok()
+        tokio::time::timeout(Duration::from_millis(500), client.status()).await.ok()?.ok()
     }
 
     /// The node that a majority of the cluster names as leader, when it also says so itself. A
@@ -215,6 +220,13 @@ impl ProcessCluster {
 
     /// Starts a killed node again on the same port and data.
     pub fn restart(&mut self, id: NodeId) -> Result<(), ProcessError> {
+        self.spawn(id)
+    }
+
+    /// Starts a killed node again with `lease_ttl` on its command line (the cluster's TTL,
+    /// fixed at creation, must win).
+    pub fn restart_with_ttl(&mut self, id: NodeId, lease_ttl: Duration) -> Result<(), ProcessError> {
+        self.ttl_flags.insert(id, lease_ttl);
         self.spawn(id)
     }
 

@@ -81,6 +81,22 @@ pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
         clock,
         args.write_interval,
     );
+    // The harness's requests to act, one JSON line each; bounded, read off the work loop.
+    let (actions, requested) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            match serde_json::from_str(&line) {
+                Ok(action) => {
+                    if actions.send(action).await.is_err() {
+                        return;
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, %line, "unreadable action"),
+            }
+        }
+    });
+    task = task.acting_on(requested);
     task.rejoin().await?;
     task.run_checking_before_work().await
 }
@@ -143,7 +159,8 @@ impl ProcessSlot {
         command
             .args(&self.command)
             .env("RUST_LOG", "info")
-            .stdin(Stdio::null())
+            // Actions of the application's own accord arrive as lines of JSON.
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(log)
             .kill_on_drop(true);
@@ -171,6 +188,22 @@ impl ProcessSlot {
             *view.lock().expect("slot view poisoned") = View::default();
         });
         Ok((child, reader))
+    }
+
+    /// Asks the process to do `action` (a line on its standard input); it does it between
+    /// two rounds of work.
+    pub(crate) async fn act(&self, action: super::workload::Action) -> Result<(), String> {
+        use tokio::io::AsyncWriteExt;
+        let mut running = self.running.lock().await;
+        let Some(stdin) = running.as_mut().and_then(|(child, _)| child.stdin.as_mut()) else {
+            return Ok(()); // not running (killed): nothing to act on
+        };
+        let mut line = serde_json::to_string(&action).map_err(|e| e.to_string())?;
+        line.push('\n');
+        if let Err(e) = stdin.write_all(line.as_bytes()).await {
+            tracing::warn!(worker = %self.name, error = %e, "could not ask the worker process to act");
+        }
+        Ok(())
     }
 
     /// SIGSTOP for `pause`, then SIGCONT.

@@ -32,6 +32,22 @@ pub(crate) enum SlotCommand {
     Crash(Duration),
     /// Stop for good (as a crash: the table is read before).
     Stop,
+    /// Do what applications do of their own accord.
+    Act(Action),
+}
+
+/// What an application does with its worker of its own accord, as opposed to a fault. In each,
+/// the partition tasks run on beside the call, writing while their handles say the lease is
+/// valid, as an application's per-partition tasks do while another part of it decides to let
+/// go: the library must end their belief before the coordinator can give the partitions away.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub(crate) enum Action {
+    /// Release one partition that was never revoked.
+    Release,
+    /// Leave gracefully, then join again under the same name.
+    Leave,
+    /// Drop the `Worker` (which leaves in the background), then join again under the same name.
+    Drop,
 }
 
 /// What a slot's worker is: its session and the partitions its library believes it holds.
@@ -83,6 +99,7 @@ impl Slot {
             (Slot::Process(s), SlotCommand::Freeze(pause)) => s.freeze(pause).await,
             (Slot::Process(s), SlotCommand::Crash(down)) => s.crash(down).await?,
             (Slot::Process(s), SlotCommand::Stop) => s.kill().await,
+            (Slot::Process(s), SlotCommand::Act(action)) => s.act(action).await?,
         }
         Ok(())
     }
@@ -174,6 +191,8 @@ pub(crate) struct SlotTask<S> {
     handles: BTreeMap<PartitionId, PartitionHandle>,
     view: View,
     writes: u64,
+    /// Actions sent to a worker process (on its standard input).
+    actions: Option<mpsc::Receiver<Action>>,
 }
 
 impl<S: FenceStore + 'static> SlotTask<S> {
@@ -201,6 +220,110 @@ impl<S: FenceStore + 'static> SlotTask<S> {
             handles: BTreeMap::new(),
             view: View::default(),
             writes: 0,
+            actions: None,
+        }
+    }
+
+    /// Takes [`Action`]s from `actions` between rounds.
+    pub(crate) fn acting_on(mut self, actions: mpsc::Receiver<Action>) -> Self {
+        self.actions = Some(actions);
+        self
+    }
+
+    /// Carries out the actions that arrived since the last round.
+    async fn take_actions(&mut self) {
+        while let Some(action) = self.actions.as_mut().and_then(|a| a.try_recv().ok()) {
+            self.act(action).await;
+        }
+    }
+
+    /// See [`Action`]. The slot's own belief ends when it decides (each handle it gives up is
+    /// recorded `Released` then); what the library's handles say afterwards is what is tested.
+    pub(crate) async fn act(&mut self, action: Action) {
+        self.follow_events().await;
+        let Some(worker) = self.worker.take() else { return };
+        let given_up: Vec<PartitionHandle> = match action {
+            Action::Release => {
+                self.handles.values().find(|h| Self::belief(h).is_some()).cloned().into_iter().collect()
+            }
+            Action::Leave | Action::Drop => self.handles.values().cloned().collect(),
+        };
+        for h in &given_up {
+            self.handles.remove(&h.partition());
+            self.record(h, WorkerOp::Released, self.clock.now_ns(), None);
+        }
+        // Long enough for the coordinator to apply what was asked, bounded.
+        let linger = (self.interval * 10).max(Duration::from_millis(200));
+        match action {
+            Action::Release => {
+                let partitions: Vec<PartitionId> = given_up.iter().map(PartitionHandle::partition).collect();
+                if !partitions.is_empty() {
+                    let release = worker.release(&partitions);
+                    tokio::pin!(release);
+                    if let Err(e) = self.write_while_believed(&given_up, &mut release).await {
+                        tracing::debug!(worker = %self.name, error = %e, "release failed");
+                    }
+                }
+                self.worker = Some(worker);
+            }
+            Action::Leave => {
+                {
+                    let leave = async {
+                        let left = worker.leave().await;
+                        tokio::time::sleep(linger).await;
+                        left
+                    };
+                    tokio::pin!(leave);
+                    if let Err(e) = self.write_while_believed(&given_up, &mut leave).await {
+                        tracing::debug!(worker = %self.name, error = %e, "leave failed; the session will expire");
+                    }
+                }
+                drop(worker);
+                self.start_over().await;
+            }
+            Action::Drop => {
+                drop(worker);
+                let linger = tokio::time::sleep(linger);
+                tokio::pin!(linger);
+                self.write_while_believed(&given_up, &mut linger).await;
+                self.start_over().await;
+            }
+        }
+        self.publish();
+    }
+
+    /// Writes under each of `handles` that the library still says is valid, every millisecond,
+    /// until `done` finishes; returns its output.
+    async fn write_while_believed<F: std::future::Future + Unpin>(
+        &mut self,
+        handles: &[PartitionHandle],
+        done: &mut F,
+    ) -> F::Output {
+        loop {
+            // `done` first: the call must have started (the library withdraws belief before
+            // it sends anything) before the tasks write again.
+            tokio::select! {
+                biased;
+                out = &mut *done => return out,
+                _ = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+            for h in handles {
+                if let Some(belief) = Self::belief(h) {
+                    self.write(h, Some(belief)).await;
+                }
+            }
+        }
+    }
+
+    /// After leaving or dropping the worker: forget its handles and join again, under the
+    /// same name.
+    async fn start_over(&mut self) {
+        self.handles.clear();
+        self.view.session = None;
+        self.view.believed.clear();
+        self.sink.view(&self.view);
+        if let Err(e) = self.rejoin().await {
+            tracing::warn!(worker = %self.name, error = %e, "could not rejoin");
         }
     }
 
@@ -221,6 +344,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     /// if the worker lost its session and could not join again.
     pub(crate) async fn run_checking_before_work(mut self) -> Result<(), String> {
         loop {
+            self.take_actions().await;
             self.follow_events().await;
             if self.worker.is_none() {
                 return Err(format!("{} could not join again", self.name));
@@ -254,6 +378,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
                         }
                         SlotCommand::Freeze(pause) => self.freeze(pause).await,
                         SlotCommand::Crash(down) => self.crash(down).await,
+                        SlotCommand::Act(action) => self.act(action).await,
                     }
                     let _ = done.send(());
                 }

@@ -11,8 +11,17 @@ pub enum Command {
     Configure { partition_count: u32, lease_ttl_ms: u64 },
     /// A worker joins under a stable name. The leader generated `secret`.
     Join { name: String, weight: u32, secret: String },
-    /// The owner gives partitions back (after a revoke, or of its own accord).
-    Release { session: SessionId, secret: String, partitions: Vec<PartitionId> },
+    /// The owner gives partitions back (after a revoke, or of its own accord). `tokens`, when
+    /// not empty, names the grant given back for each partition (one per partition, in order):
+    /// a partition granted to the session again since (a release that was delayed, or retried)
+    /// is left alone rather than taken from the newer grant.
+    Release {
+        session: SessionId,
+        secret: String,
+        partitions: Vec<PartitionId>,
+        #[serde(default)]
+        tokens: Vec<FencingToken>,
+    },
     /// The owner gives back every partition it holds (a leaving worker that has stopped work).
     ReleaseAll { session: SessionId, secret: String },
     /// The worker leaves: its partitions are revoked, and the session ends once they are released
@@ -20,8 +29,10 @@ pub enum Command {
     Leave { session: SessionId, secret: String },
     /// The leader saw these sessions' leases run out.
     Expire { sessions: Vec<SessionId> },
-    /// The leader saw the leases of these revoking partitions run out before their owner released.
-    ExpireRevoking { partitions: Vec<(PartitionId, SessionId)> },
+    /// The leader saw the leases of these revoking grants run out before their owner released:
+    /// partition, owner and the grant's token. A grant that is no longer the partition's
+    /// current, revoking one (released and granted again since) is left alone.
+    ExpireRevoking { partitions: Vec<(PartitionId, SessionId, FencingToken)> },
 }
 
 /// What the proposer of a command is told.
@@ -67,6 +78,8 @@ pub enum Rejection {
     InvalidName(String),
     #[error("invalid weight {0}: must be between 1 and {max}", max = crate::placement::MAX_WEIGHT)]
     InvalidWeight(u32),
+    #[error("a release names {partitions} partitions but {tokens} tokens")]
+    TokensMismatch { partitions: usize, tokens: usize },
 }
 
 /// Why an owner lost a partition without releasing it.

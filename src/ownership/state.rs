@@ -182,14 +182,20 @@ impl OwnershipState {
                 self.configure(*partition_count, *lease_ttl_ms)
             }
             Command::Join { name, weight, secret } => self.join(name, *weight, secret, events),
-            Command::Release { session, secret, partitions } => {
-                self.release(*session, secret, partitions, events)
+            Command::Release { session, secret, partitions, tokens } => {
+                if !tokens.is_empty() && tokens.len() != partitions.len() {
+                    return Err(Rejection::TokensMismatch {
+                        partitions: partitions.len(),
+                        tokens: tokens.len(),
+                    });
+                }
+                self.release(*session, secret, partitions, tokens, events)
             }
             Command::ReleaseAll { session, secret } => {
                 self.authenticate(*session, secret)?;
                 self.require_config()?;
                 let mine: Vec<PartitionId> = self.owned_by(*session).into_iter().map(|(p, _)| p).collect();
-                self.release(*session, secret, &mine, events)
+                self.release(*session, secret, &mine, &[], events)
             }
             Command::Leave { session, secret } => {
                 self.authenticate(*session, secret)?;
@@ -212,11 +218,11 @@ impl OwnershipState {
             Command::ExpireRevoking { partitions } => {
                 self.require_config()?;
                 let mut lost = 0;
-                for &(p, session) in partitions {
+                for &(p, session, token) in partitions {
                     let Some(record) = self.partitions.get(p.0 as usize).copied() else {
                         continue;
                     };
-                    if record.owner == Some(session) && record.revoking {
+                    if record.owner == Some(session) && record.token == token && record.revoking {
                         self.set_partition(p, PartitionRecord { owner: None, revoking: false, ..record });
                         events.push(Event::Lost {
                             partition: p,
@@ -298,6 +304,7 @@ impl OwnershipState {
         session: SessionId,
         secret: &str,
         partitions: &[PartitionId],
+        tokens: &[FencingToken],
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
         self.authenticate(session, secret)?;
@@ -313,10 +320,13 @@ impl OwnershipState {
             }
         }
         let mut released = Vec::new();
-        for &p in partitions {
+        for (i, &p) in partitions.iter().enumerate() {
             let record = self.partitions[p.0 as usize];
             if record.owner != Some(session) {
                 continue; // listed twice
+            }
+            if tokens.get(i).is_some_and(|t| *t != record.token) {
+                continue; // granted to this session again since: the newer grant stays
             }
             self.set_partition(p, PartitionRecord { owner: None, revoking: false, ..record });
             events.push(Event::Released { partition: p, session, token: record.token });

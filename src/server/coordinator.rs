@@ -2,7 +2,7 @@
 //! log; the state machine checks them again when it applies them.
 
 use super::{CoordinatorError, Node, PendingRenewal};
-use crate::ids::{PartitionId, SessionId};
+use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::ownership::{Command, Event, Rejection, Response as SmResponse, MAX_NAME_BYTES};
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
 use rand::RngCore;
@@ -71,13 +71,105 @@ fn route_of(state: &crate::ownership::OwnershipState, p: PartitionId) -> proto::
 type WatchStream = Pin<Box<dyn Stream<Item = Result<proto::OwnershipEvent, Status>> + Send>>;
 type HeartbeatsStream = Pin<Box<dyn Stream<Item = Result<proto::HeartbeatResponse, Status>> + Send>>;
 
+/// Most partition leases (or dropped partitions) one heartbeat message carries: about 11 bytes
+/// each, so a message stays near 700 KiB, far below tonic's 4 MiB default, whatever a session
+/// owns.
+pub const LEASES_PER_MESSAGE: usize = 65_536;
+
+/// Most partition rows one `Status` answer carries.
+pub const STATUS_ROWS_PER_PAGE: u32 = 65_536;
+
+/// What one renewal confirmed: the session's grants that are not revoking, by partition.
+pub(crate) struct Renewed {
+    leases: Vec<(u32, u64)>,
+    ttl_ms: u64,
+}
+
+impl Renewed {
+    /// The unary answer: one page of the renewed grants, from `from` on.
+    fn page(self, from: u32) -> proto::HeartbeatResponse {
+        let start = self.leases.partition_point(|(p, _)| *p < from);
+        let rest = &self.leases[start..];
+        let shown = rest.len().min(LEASES_PER_MESSAGE);
+        proto::HeartbeatResponse {
+            renewed: rest[..shown]
+                .iter()
+                .map(|&(partition, token)| proto::PartitionLease { partition, token })
+                .collect(),
+            lease_ttl_ms: self.ttl_ms,
+            next_partition: rest.get(shown).map(|(p, _)| *p),
+            ..Default::default()
+        }
+    }
+}
+
+/// What a heartbeat stream's answers have told its worker so far, so each answer carries only
+/// what changed: a session that owns half a million partitions is renewed with empty messages.
+#[derive(Default)]
+pub(crate) struct StreamView {
+    /// The grants the stream's answers renewed, by partition (sorted).
+    told: Vec<(u32, u64)>,
+}
+
+impl StreamView {
+    /// The answer to one renewal, as one or more messages (all but the last with `more`).
+    pub(crate) fn answer(&mut self, renewed: Renewed) -> Vec<proto::HeartbeatResponse> {
+        let (mut changed, mut dropped) = (Vec::new(), Vec::new());
+        let (old, new) = (&self.told, &renewed.leases);
+        let (mut i, mut j) = (0, 0);
+        while i < old.len() || j < new.len() {
+            match (old.get(i), new.get(j)) {
+                (Some(o), Some(n)) if o.0 == n.0 => {
+                    if o.1 != n.1 {
+                        changed.push(*n);
+                    }
+                    i += 1;
+                    j += 1;
+                }
+                (Some(o), Some(n)) if o.0 < n.0 => {
+                    dropped.push(o.0);
+                    i += 1;
+                }
+                (Some(o), None) => {
+                    dropped.push(o.0);
+                    i += 1;
+                }
+                (_, Some(n)) => {
+                    changed.push(*n);
+                    j += 1;
+                }
+                (None, None) => unreachable!("the loop runs while either has items"),
+            }
+        }
+        self.told = renewed.leases;
+        let mut messages = Vec::new();
+        let (mut changed, mut dropped) = (changed.as_slice(), dropped.as_slice());
+        loop {
+            let c = changed.len().min(LEASES_PER_MESSAGE);
+            let d = dropped.len().min(LEASES_PER_MESSAGE - c);
+            messages.push(proto::HeartbeatResponse {
+                renewed: changed[..c]
+                    .iter()
+                    .map(|&(partition, token)| proto::PartitionLease { partition, token })
+                    .collect(),
+                dropped: dropped[..d].to_vec(),
+                lease_ttl_ms: renewed.ttl_ms,
+                more: false,
+                next_partition: None,
+            });
+            changed = &changed[c..];
+            dropped = &dropped[d..];
+            if changed.is_empty() && dropped.is_empty() {
+                return messages;
+            }
+            messages.last_mut().expect("just pushed").more = true;
+        }
+    }
+}
+
 /// One renewal of a session's leases, received at `received`: answered only after a quorum
 /// round that started after it arrived (batched with the others), by the leader's lease table.
-async fn renew(
-    node: &Node,
-    req: proto::HeartbeatRequest,
-    received: Instant,
-) -> Result<proto::HeartbeatResponse, Status> {
+async fn renew(node: &Node, req: proto::HeartbeatRequest, received: Instant) -> Result<Renewed, Status> {
     check_secret(&req.secret)?;
     node.ensure_leader()?;
     let session = SessionId(req.session_id);
@@ -86,8 +178,8 @@ async fn renew(
         applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
     }
     // A lease that already ran out is refused here, without spending a quorum round on it.
-    if let Some(table) = node.leases.lock().expect("lease lock poisoned").as_ref() {
-        if !table.renewable(session, received) {
+    if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
+        if !leadership.table.renewable(session, received) {
             return Err(CoordinatorError::SessionExpired(session).into());
         }
     }
@@ -103,13 +195,7 @@ async fn renew(
         let applied = node.state.read().expect("state lock poisoned");
         applied.state.config().map(|c| c.lease_ttl_ms).unwrap_or(node.config.lease_ttl.as_millis() as u64)
     };
-    Ok(proto::HeartbeatResponse {
-        renewed: renewed
-            .into_iter()
-            .map(|(partition, token)| proto::PartitionLease { partition, token })
-            .collect(),
-        lease_ttl_ms: ttl_ms,
-    })
+    Ok(Renewed { leases: renewed, ttl_ms })
 }
 
 /// Sends one item of a stream, unless the node stops first; `false` when the stream is over
@@ -133,7 +219,7 @@ async fn next_renewal(
     node: &Node,
     inbound: &mut tonic::Streaming<proto::HeartbeatRequest>,
     idle: std::time::Duration,
-) -> Option<Result<proto::HeartbeatResponse, Status>> {
+) -> Option<Result<Renewed, Status>> {
     match tokio::time::timeout(idle, inbound.message()).await {
         Ok(Ok(Some(request))) => Some(renew(node, request, Instant::now()).await),
         Ok(Ok(None)) => None,
@@ -177,7 +263,9 @@ impl Coordinator for CoordinatorService {
         req: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
         let received = Instant::now();
-        Ok(Response::new(renew(&self.node, req.into_inner(), received).await?))
+        let req = req.into_inner();
+        let from = req.from_partition;
+        Ok(Response::new(renew(&self.node, req, received).await?.page(from)))
     }
 
     type HeartbeatsStream = HeartbeatsStream;
@@ -201,6 +289,7 @@ impl Coordinator for CoordinatorService {
         let node = self.node.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            let mut view = StreamView::default();
             // Every wait also watches for the node stopping and the worker hanging up, so the
             // task (and the node it holds) never outlives either.
             loop {
@@ -215,9 +304,18 @@ impl Coordinator for CoordinatorService {
                         None => return, // the worker closed its side
                     },
                 };
-                let refused = answer.is_err();
-                if !send_or_stop(&tx, answer, &node.stopping).await || refused {
-                    return;
+                match answer {
+                    Ok(renewed) => {
+                        for message in view.answer(renewed) {
+                            if !send_or_stop(&tx, Ok(message), &node.stopping).await {
+                                return;
+                            }
+                        }
+                    }
+                    Err(refused) => {
+                        send_or_stop(&tx, Err(refused), &node.stopping).await;
+                        return;
+                    }
                 }
             }
         });
@@ -254,6 +352,7 @@ impl Coordinator for CoordinatorService {
                 session: SessionId(req.session_id),
                 secret: req.secret,
                 partitions: req.partitions.into_iter().map(PartitionId).collect(),
+                tokens: req.tokens.into_iter().map(FencingToken).collect(),
             }
         };
         match self.node.propose(command).await? {
@@ -454,8 +553,13 @@ impl Coordinator for CoordinatorService {
 
     async fn status(
         &self,
-        _req: Request<proto::StatusRequest>,
+        req: Request<proto::StatusRequest>,
     ) -> Result<Response<proto::StatusResponse>, Status> {
+        let req = req.into_inner();
+        let limit = match req.limit {
+            0 => STATUS_ROWS_PER_PAGE,
+            n => n.min(STATUS_ROWS_PER_PAGE),
+        };
         let metrics = self.node.raft.metrics().borrow().clone();
         let leader_id = metrics.current_leader.unwrap_or(0);
         let applied = self.node.state.read().expect("state lock poisoned");
@@ -467,22 +571,17 @@ impl Coordinator for CoordinatorService {
             .collect();
         let leader_addr =
             nodes.iter().find(|n| n.id == leader_id).map(|n| n.addr.clone()).unwrap_or_default();
-        let mut owned = std::collections::HashMap::new();
-        let partitions = applied
-            .state
-            .partitions()
+        let rows = applied.state.partitions();
+        let from = (req.from_partition as usize).min(rows.len());
+        let until = (from + limit as usize).min(rows.len());
+        let partitions = rows[from..until]
             .iter()
             .enumerate()
-            .map(|(p, r)| {
-                if let Some(o) = r.owner {
-                    *owned.entry(o).or_insert(0u32) += 1;
-                }
-                proto::PartitionRow {
-                    partition: p as u32,
-                    owner: r.owner.map(|s| s.0).unwrap_or(0),
-                    token: r.token.0,
-                    revoking: r.revoking,
-                }
+            .map(|(i, r)| proto::PartitionRow {
+                partition: (from + i) as u32,
+                owner: r.owner.map(|s| s.0).unwrap_or(0),
+                token: r.token.0,
+                revoking: r.revoking,
             })
             .collect();
         let sessions = applied
@@ -494,7 +593,7 @@ impl Coordinator for CoordinatorService {
                 name: r.name.clone(),
                 weight: r.weight,
                 leaving: r.leaving,
-                owned: owned.get(s).copied().unwrap_or(0),
+                owned: applied.state.owned_count(*s) as u32,
             })
             .collect();
         let config = applied.state.config();
@@ -508,6 +607,72 @@ impl Coordinator for CoordinatorService {
             partition_count: config.map(|c| c.partition_count).unwrap_or(0),
             lease_ttl_ms: config.map(|c| c.lease_ttl_ms).unwrap_or(0),
             last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
+            next_partition: (until < rows.len()).then_some(until as u32),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Heartbeat answers stay small whatever a session owns.
+
+    use super::*;
+
+    fn renewed(leases: impl IntoIterator<Item = (u32, u64)>) -> Renewed {
+        Renewed { leases: leases.into_iter().collect(), ttl_ms: 1000 }
+    }
+
+    /// Replays a stream's messages as the worker library does.
+    fn replay(view: &mut std::collections::BTreeMap<u32, u64>, messages: &[proto::HeartbeatResponse]) {
+        for (i, m) in messages.iter().enumerate() {
+            assert_eq!(m.more, i + 1 < messages.len(), "only the last message ends the answer");
+            for p in &m.dropped {
+                view.remove(p);
+            }
+            view.extend(m.renewed.iter().map(|l| (l.partition, l.token)));
+        }
+    }
+
+    #[test]
+    fn a_stream_answer_carries_only_what_changed_and_fits_in_messages() {
+        let mut server = StreamView::default();
+        let mut worker = std::collections::BTreeMap::new();
+        // Half of a million-partition table: the first answer is split, the next is empty.
+        let all: Vec<(u32, u64)> = (0..500_000u32).map(|p| (p * 2, 7)).collect();
+        let first = server.answer(renewed(all.clone()));
+        assert_eq!(first.len(), 500_000usize.div_ceil(LEASES_PER_MESSAGE));
+        assert!(first.iter().all(|m| m.renewed.len() + m.dropped.len() <= LEASES_PER_MESSAGE));
+        replay(&mut worker, &first);
+        assert_eq!(worker, all.iter().copied().collect());
+        let steady = server.answer(renewed(all.clone()));
+        assert_eq!(steady.len(), 1);
+        assert!(steady[0].renewed.is_empty() && steady[0].dropped.is_empty());
+        // A revoke (dropped), a new grant (added) and a grant again under a newer token.
+        let mut next = all.clone();
+        next.retain(|(p, _)| *p != 4);
+        next.push((3, 9));
+        next.sort();
+        next[0].1 = 11;
+        let change = server.answer(renewed(next.clone()));
+        assert_eq!(change.len(), 1);
+        assert_eq!(change[0].dropped, vec![4]);
+        assert_eq!(change[0].renewed.len(), 2);
+        replay(&mut worker, &change);
+        assert_eq!(worker, next.iter().copied().collect());
+        // Everything taken away at once.
+        let gone = server.answer(renewed([]));
+        replay(&mut worker, &gone);
+        assert!(worker.is_empty());
+    }
+
+    #[test]
+    fn a_unary_answer_is_one_page_and_says_where_the_next_starts() {
+        let leases: Vec<(u32, u64)> = (0..100_000u32).map(|p| (p, 3)).collect();
+        let first = renewed(leases.clone()).page(0);
+        assert_eq!(first.renewed.len(), LEASES_PER_MESSAGE);
+        let next = first.next_partition.expect("a second page");
+        let second = renewed(leases).page(next);
+        assert_eq!(second.renewed.len(), 100_000 - LEASES_PER_MESSAGE);
+        assert_eq!(second.next_partition, None);
     }
 }

@@ -47,6 +47,7 @@ impl CoordinatorError {
                 Rejection::NotOwner { .. } => "not_owner",
                 Rejection::InvalidName(_) => "invalid_name",
                 Rejection::InvalidWeight(_) => "invalid_weight",
+                Rejection::TokensMismatch { .. } => "invalid_argument",
             },
         }
     }
@@ -66,9 +67,10 @@ impl From<CoordinatorError> for tonic::Status {
                 Rejection::PartitionOutOfRange { .. } => Code::OutOfRange,
                 Rejection::NotOwner { .. } | Rejection::ConfigMismatch { .. } => Code::FailedPrecondition,
                 Rejection::NotConfigured => Code::Unavailable,
-                Rejection::InvalidName(_) | Rejection::InvalidWeight(_) | Rejection::InvalidConfig(_) => {
-                    Code::InvalidArgument
-                }
+                Rejection::InvalidName(_)
+                | Rejection::InvalidWeight(_)
+                | Rejection::InvalidConfig(_)
+                | Rejection::TokensMismatch { .. } => Code::InvalidArgument,
             },
         };
         let mut status = tonic::Status::new(code, e.to_string());

@@ -2,12 +2,15 @@
 //! acknowledge renewals in batches after a quorum round.
 
 use super::{CoordinatorError, Node, PendingRenewal};
-use crate::lease::LeaseTable;
+use crate::lease::{Due, LeaseTable};
 use crate::ownership::{Command, Event};
 use crate::store::AppliedEvent;
 use openraft::ServerState;
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -15,18 +18,50 @@ use tokio_util::sync::CancellationToken;
 /// Most renewals answered by one quorum round.
 const MAX_RENEWAL_BATCH: usize = 16384;
 
+/// The lease table of one term of this node's leadership. Renewals and expiries act on it only
+/// while the node still leads in that term: a table left over from an earlier term (the node
+/// lost and regained leadership before its duty loop noticed) knows nothing of the renewals
+/// another leader acknowledged in between, and would expire sessions early.
+pub(crate) struct Leadership {
+    pub term: u64,
+    pub table: LeaseTable,
+}
+
+/// The cluster's lease TTL, from the replicated configuration; `None` before it is configured.
+fn cluster_ttl(node: &Node) -> Option<Duration> {
+    let applied = node.state.read().expect("state lock poisoned");
+    applied.state.config().map(|c| Duration::from_millis(c.lease_ttl_ms))
+}
+
 /// Follows leadership, applied events and the clock; proposes configuration and expiries.
+///
+/// Nothing here waits for a commit: the expiry proposal in flight is one more branch of the
+/// loop's `select!`, one at a time, so that a slow commit (or one that never comes, on a leader
+/// cut off in a minority) cannot keep this loop from following applied events or noticing that
+/// leadership moved. (A future polled here, not a spawned task: the whole-stack simulation
+/// replays a seed exactly only if no task's scheduling depends on the process.)
 pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     let mut metrics = node.raft.metrics();
     let mut events = node.sm.subscribe();
     let mut tick = tokio::time::interval(node.config.expiry_check_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut leading_term: Option<u64> = None;
+    // The expiry proposal in flight, if any: due leases are reported again until their expiry
+    // is applied, so one at a time is enough and a failed one is retried on a later tick.
+    // Dropping it (on a leadership change) abandons the wait, not the entry.
+    let mut proposing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
+    let stop_proposing = |proposing: &mut Option<Pin<Box<dyn Future<Output = ()> + Send>>>| {
+        *proposing = None;
+    };
     loop {
         tokio::select! {
-            _ = cancel.cancelled() => return,
+            _ = cancel.cancelled() => {
+                stop_proposing(&mut proposing);
+                return;
+            }
             changed = metrics.changed() => {
                 if changed.is_err() {
+                    stop_proposing(&mut proposing);
                     return; // raft shut down
                 }
                 let m = metrics.borrow().clone();
@@ -34,10 +69,12 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                 match (leading, leading_term) {
                     (true, Some(term)) if term == m.current_term => {}
                     (true, _) => {
+                        stop_proposing(&mut proposing);
                         leading_term = Some(m.current_term);
-                        become_leader(&node).await;
+                        become_leader(&node, m.current_term);
                     }
                     (false, Some(_)) => {
+                        stop_proposing(&mut proposing);
                         leading_term = None;
                         *node.leases.lock().expect("lease lock poisoned") = None;
                         tracing::info!(node = node.config.id, "no longer the leader");
@@ -51,80 +88,119 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     // Missed events: start every lease over from now, which can only delay expiry.
                     tracing::warn!(missed = n, "lease table fell behind the applied events; resetting");
                     let state = node.state.read().expect("state lock poisoned");
-                    if let Some(table) = node.leases.lock().expect("lease lock poisoned").as_mut() {
-                        table.reset(Instant::now(), &state.state);
+                    if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_mut() {
+                        leadership.table.reset(Instant::now(), &state.state);
                     }
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
             },
+            _ = async { proposing.as_mut().expect("guarded").await }, if proposing.is_some() => {
+                proposing = None;
+            }
             _ = tick.tick() => {
-                let due = match node.leases.lock().expect("lease lock poisoned").as_mut() {
-                    Some(table) => table.due(Instant::now()),
-                    None => continue,
-                };
-                if !due.sessions.is_empty() {
-                    tracing::info!(sessions = ?due.sessions, "session leases expired");
-                    if let Err(e) = node.propose(Command::Expire { sessions: due.sessions }).await {
-                        tracing::warn!(error = %e, "could not propose session expiry");
-                    }
+                if proposing.is_some() {
+                    continue;
                 }
-                if !due.revoking.is_empty() {
-                    tracing::info!(partitions = due.revoking.len(), "revoking leases expired");
-                    if let Err(e) = node.propose(Command::ExpireRevoking { partitions: due.revoking }).await {
-                        tracing::warn!(error = %e, "could not propose revoke expiry");
+                let due = match node.leases.lock().expect("lease lock poisoned").as_mut() {
+                    Some(leadership) if Some(leadership.term) == leading_term => {
+                        leadership.table.due(Instant::now())
                     }
+                    _ => continue,
+                };
+                if !due.is_empty() {
+                    proposing = Some(Box::pin(propose_expiries(node.clone(), due)));
                 }
             }
         }
     }
 }
 
-async fn become_leader(node: &Arc<Node>) {
-    let now = Instant::now();
-    let configured = {
-        let applied = node.state.read().expect("state lock poisoned");
-        let mut table = LeaseTable::new(node.config.lease_ttl);
-        table.reset(now, &applied.state);
-        *node.leases.lock().expect("lease lock poisoned") = Some(table);
-        applied.state.config()
-    };
-    tracing::info!(node = node.config.id, "became the leader; every lease runs one TTL from now");
-    if configured.is_none() {
-        let node = node.clone();
-        tokio::spawn(async move {
-            let command = Command::Configure {
-                partition_count: node.config.partition_count,
-                lease_ttl_ms: node.config.lease_ttl.as_millis() as u64,
-            };
-            match node.propose(command).await {
-                Ok(_) => tracing::info!(partitions = node.config.partition_count, "cluster configured"),
-                Err(e) => tracing::error!(error = %e, "could not configure the cluster"),
-            }
-        });
-    } else if let Some(have) = configured {
-        let want_ttl = node.config.lease_ttl.as_millis() as u64;
-        if have.partition_count != node.config.partition_count || have.lease_ttl_ms != want_ttl {
-            tracing::warn!(
-                ?have,
-                "this node's partition count or lease TTL differs from the cluster's; the cluster's wins"
-            );
+async fn propose_expiries(node: Arc<Node>, due: Due) {
+    if !due.sessions.is_empty() {
+        tracing::info!(sessions = ?due.sessions, "session leases expired");
+        if let Err(e) = node.propose(Command::Expire { sessions: due.sessions }).await {
+            tracing::warn!(error = %e, "could not propose session expiry");
         }
     }
+    if !due.revoking.is_empty() {
+        tracing::info!(partitions = due.revoking.len(), "revoking leases expired");
+        if let Err(e) = node.propose(Command::ExpireRevoking { partitions: due.revoking }).await {
+            tracing::warn!(error = %e, "could not propose revoke expiry");
+        }
+    }
+}
+
+/// Starts a term of leadership: a fresh lease table, judged by the cluster's TTL.
+fn become_leader(node: &Arc<Node>, term: u64) {
+    let now = Instant::now();
+    let flag_ttl = node.config.lease_ttl;
+    let configured = {
+        let applied = node.state.read().expect("state lock poisoned");
+        // Before the cluster is configured there are no sessions; the configuration this node
+        // proposes (or another leader's, applied later) sets the TTL when it is applied.
+        let ttl = applied.state.config().map_or(flag_ttl, |c| Duration::from_millis(c.lease_ttl_ms));
+        let mut table = LeaseTable::new(ttl);
+        table.reset(now, &applied.state);
+        *node.leases.lock().expect("lease lock poisoned") = Some(Leadership { term, table });
+        applied.state.config()
+    };
+    tracing::info!(node = node.config.id, term, "became the leader; every lease runs one TTL from now");
+    match configured {
+        None => {
+            let node = node.clone();
+            tokio::spawn(async move {
+                let command = Command::Configure {
+                    partition_count: node.config.partition_count,
+                    lease_ttl_ms: node.config.lease_ttl.as_millis() as u64,
+                };
+                match node.propose(command).await {
+                    Ok(_) => tracing::info!(partitions = node.config.partition_count, "cluster configured"),
+                    Err(e) => tracing::error!(error = %e, "could not configure the cluster"),
+                }
+            });
+        }
+        Some(have) => {
+            if let Some(differs) = config_differs(&node.config, have) {
+                tracing::warn!("{differs}");
+            }
+        }
+    }
+}
+
+/// Says how a node's own settings differ from the cluster's configuration, which wins.
+pub(crate) fn config_differs(config: &super::NodeConfig, have: crate::ownership::Config) -> Option<String> {
+    let want_ttl_ms = config.lease_ttl.as_millis() as u64;
+    (have.partition_count != config.partition_count || have.lease_ttl_ms != want_ttl_ms).then(|| {
+        format!(
+            "this node was started with {} partitions and a {want_ttl_ms} ms lease TTL, but the cluster \
+             was created with {} partitions and a {} ms lease TTL; the cluster's values are used",
+            config.partition_count, have.partition_count, have.lease_ttl_ms
+        )
+    })
 }
 
 fn observe(node: &Node, applied: &AppliedEvent) {
+    // Every replica counts the decisions it applies, labelled with its id: the same decision is
+    // counted once per node, so read one node's series (or the maximum over nodes), not the sum.
+    let id = node.config.id.to_string();
     for event in &applied.events {
-        match event {
-            Event::Granted { .. } => metrics::counter!("tenure_grants_total").increment(1),
-            Event::Revoking { .. } => metrics::counter!("tenure_revokes_total").increment(1),
-            Event::Released { .. } => metrics::counter!("tenure_releases_total").increment(1),
-            Event::Lost { .. } => metrics::counter!("tenure_expiries_total").increment(1),
-            Event::SessionStarted { .. } | Event::SessionEnded { .. } => {}
-        }
+        let name = match event {
+            Event::Granted { .. } => "tenure_grants_total",
+            Event::Revoking { .. } => "tenure_revokes_total",
+            Event::Released { .. } => "tenure_releases_total",
+            Event::Lost { .. } => "tenure_expiries_total",
+            Event::SessionStarted { .. } | Event::SessionEnded { .. } => continue,
+        };
+        metrics::counter!(name, "node" => id.clone()).increment(1);
     }
+    let ttl = cluster_ttl(node);
     let mut leases = node.leases.lock().expect("lease lock poisoned");
-    if let Some(table) = leases.as_mut() {
-        for latency in table.observe(Instant::now(), &applied.events) {
+    if let Some(leadership) = leases.as_mut() {
+        if let Some(ttl) = ttl.filter(|t| *t != leadership.table.ttl()) {
+            tracing::info!(ttl_ms = ttl.as_millis() as u64, "leases follow the cluster's lease TTL");
+            leadership.table.set_ttl(ttl);
+        }
+        for latency in leadership.table.observe(Instant::now(), &applied.events) {
             metrics::histogram!("tenure_move_latency_seconds").record(latency.as_secs_f64());
         }
     }
@@ -175,6 +251,7 @@ pub(crate) async fn run_renewals(
             }
             continue;
         }
+        let term = node.current_term();
         let applied = node.state.read().expect("state lock poisoned");
         let mut leases = node.leases.lock().expect("lease lock poisoned");
         let mut answers = Vec::with_capacity(batch.len());
@@ -183,11 +260,15 @@ pub(crate) async fn run_renewals(
             let answer = match applied.state.authenticate(r.session, &r.secret) {
                 Err(rejection) => Err(CoordinatorError::Rejected(rejection)),
                 Ok(_) => match leases.as_mut() {
+                    // No table, or one of an earlier term than the one just confirmed.
+                    Some(leadership) if leadership.term != term => {
+                        Err(CoordinatorError::Unavailable("leadership is changing; retry".into()))
+                    }
                     None => Err(node
                         .ensure_leader()
                         .err()
                         .unwrap_or(CoordinatorError::Unavailable("leadership is changing; retry".into()))),
-                    Some(table) => {
+                    Some(Leadership { table, .. }) => {
                         if table.renew(r.session, r.received) {
                             wanted.insert(r.session, Vec::new());
                             Ok(())

@@ -6,7 +6,8 @@
 //!   heartbeats do not: they are batched and acknowledged after one quorum round confirms this
 //!   node is still the leader (openraft's `ensure_linearizable`), then extend the in-memory lease.
 //! - [`leader`]: the duties only the leader has: configuring a new cluster, following applied
-//!   events into the [`LeaseTable`], and proposing expiries when deadlines pass.
+//!   events into the [`crate::lease::LeaseTable`] (judged by the cluster's replicated TTL, never
+//!   this node's flag), and proposing expiries when deadlines pass.
 //! - [`raft_service`]: the receiving end of the Raft transport.
 
 pub mod coordinator;
@@ -17,7 +18,6 @@ mod raft_service;
 pub use error::{CoordinatorError, ERROR_METADATA, LEADER_METADATA};
 
 use crate::ids::NodeId;
-use crate::lease::LeaseTable;
 use crate::ownership::{Command, Response};
 use crate::proto::coordinator_server::CoordinatorServer;
 use crate::proto::raft_transport_server::RaftTransportServer;
@@ -157,7 +157,7 @@ pub struct Node {
     pub state: SharedState,
     pub(crate) sm: StateMachineStore,
     /// `Some` only while this node is the leader and has reset the table for its term.
-    pub(crate) leases: Mutex<Option<LeaseTable>>,
+    pub(crate) leases: Mutex<Option<leader::Leadership>>,
     pub(crate) renewals: mpsc::Sender<PendingRenewal>,
     /// Fires when the node stops; every task that holds the node watches it, so the store (and
     /// its file lock) is released on shutdown.
@@ -204,6 +204,11 @@ impl Node {
         };
         let leader_addr = leader_id.and_then(|id| self.address_of(id));
         Err(CoordinatorError::NotLeader { leader_id, leader_addr })
+    }
+
+    /// The term this node last saw, as openraft reports it.
+    pub(crate) fn current_term(&self) -> u64 {
+        self.server_metrics.borrow().vote.leader_id().get_term()
     }
 
     fn address_of(&self, id: NodeId) -> Option<String> {
@@ -322,6 +327,12 @@ where
     let log_store = LogStore::new(db.clone());
     let sm = StateMachineStore::open(db).map_err(|e| NodeError::Storage(e.to_string()))?;
     let state = sm.shared();
+    // The partition count and lease TTL were fixed when the cluster was created; flags that
+    // disagree are overridden, and said so at start rather than found out later.
+    let created = state.read().expect("state lock poisoned").state.config();
+    if let Some(differs) = created.and_then(|have| leader::config_differs(&config, have)) {
+        tracing::warn!(node = config.id, "{differs}");
+    }
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config(&config)?),

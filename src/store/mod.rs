@@ -23,4 +23,4 @@ mod state_machine;
 pub use db::{open, Db};
 pub use log_store::LogStore;
 pub use replay::{replay_applied, ReplayError, ReplayedEntry};
-pub use state_machine::{AppliedEvent, SharedState, StateMachineStore};
+pub use state_machine::{AppliedEvent, SharedState, SnapshotFormatError, StateMachineStore, SNAPSHOT_FORMAT};

@@ -4,6 +4,10 @@
 //! apply batch writes the rows it changed plus `last_applied` and the membership in one synced
 //! write batch, then publishes the batch's events; the responses go back to openraft only after
 //! that write returns.
+//!
+//! Snapshots are binary: one format-version byte, then the payload in postcard. A node that
+//! meets a version it does not know stops (a storage error) instead of guessing. Installing a
+//! snapshot replaces the table, `last_applied` and the stored snapshot in one synced batch.
 
 use super::db::{cf, decode, encode, io_error, synced, Db, CF_PARTITIONS, CF_SESSIONS, CF_SM_META};
 use crate::ids::SessionId;
@@ -22,7 +26,12 @@ const KEY_LAST_APPLIED: &[u8] = b"last_applied";
 const KEY_MEMBERSHIP: &[u8] = b"membership";
 const KEY_CONFIG: &[u8] = b"config";
 const KEY_NEXT_SESSION: &[u8] = b"next_session";
-const KEY_SNAPSHOT: &[u8] = b"snapshot";
+/// The stored snapshot: its metadata (JSON, small) and its data (raw bytes), beside each other.
+const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
+const KEY_SNAPSHOT_DATA: &[u8] = b"snapshot_data";
+
+/// The snapshot format this build writes, and the only one it reads.
+pub const SNAPSHOT_FORMAT: u8 = 1;
 
 /// How many applied batches a slow watcher may fall behind before it must resynchronise.
 const EVENT_BUFFER: usize = 4096;
@@ -52,10 +61,41 @@ struct SnapshotPayload {
     state: OwnershipState,
 }
 
-#[derive(Serialize, Deserialize)]
-struct StoredSnapshot {
-    meta: SnapshotMeta<u64, openraft::BasicNode>,
-    data: Vec<u8>,
+/// Why snapshot data could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotFormatError {
+    #[error("the snapshot is empty")]
+    Empty,
+    #[error("snapshot format version {0} is not one this build reads (it reads version {SNAPSHOT_FORMAT})")]
+    UnknownVersion(u8),
+    #[error("the snapshot payload cannot be decoded: {0}")]
+    Payload(#[from] postcard::Error),
+}
+
+fn encode_snapshot(payload: &SnapshotPayload) -> Vec<u8> {
+    let mut data = vec![SNAPSHOT_FORMAT];
+    postcard::to_io(payload, &mut data).expect("tenure's own types always serialize");
+    data
+}
+
+fn decode_snapshot(data: &[u8]) -> Result<SnapshotPayload, SnapshotFormatError> {
+    match data.split_first() {
+        None => Err(SnapshotFormatError::Empty),
+        Some((&SNAPSHOT_FORMAT, payload)) => Ok(postcard::from_bytes(payload)?),
+        Some((&version, _)) => Err(SnapshotFormatError::UnknownVersion(version)),
+    }
+}
+
+/// A snapshot's stored form, written into `batch` beside whatever else it carries.
+fn put_snapshot(
+    db: &Db,
+    batch: &mut rocksdb::WriteBatch,
+    meta: &SnapshotMeta<u64, openraft::BasicNode>,
+    data: &[u8],
+) {
+    let cf_meta = cf(db, CF_SM_META);
+    batch.put_cf(cf_meta, KEY_SNAPSHOT_META, encode(meta));
+    batch.put_cf(cf_meta, KEY_SNAPSHOT_DATA, data);
 }
 
 /// The state-machine half of a node's store.
@@ -95,9 +135,19 @@ impl StateMachineStore {
         self.events.subscribe()
     }
 
-    fn persist(&self, applied: &mut Applied, full: bool) -> Result<(), StorageError> {
+    /// Writes what changed (everything when `full`) in one synced batch, together with
+    /// `snapshot` when one is being installed.
+    fn persist(
+        &self,
+        applied: &mut Applied,
+        full: bool,
+        snapshot: Option<(&SnapshotMeta<u64, openraft::BasicNode>, &[u8])>,
+    ) -> Result<(), StorageError> {
         let changes = applied.state.take_changes();
         let mut batch = rocksdb::WriteBatch::default();
+        if let Some((meta, data)) = snapshot {
+            put_snapshot(&self.db, &mut batch, meta, data);
+        }
         let (parts, sess, meta) =
             (cf(&self.db, CF_PARTITIONS), cf(&self.db, CF_SESSIONS), cf(&self.db, CF_SM_META));
         let state = &applied.state;
@@ -154,10 +204,12 @@ impl StateMachineStore {
             };
             (payload, meta)
         };
-        let data = encode(&payload);
-        let stored = StoredSnapshot { meta: meta.clone(), data: data.clone() };
+        let data = encode_snapshot(&payload);
+        drop(payload);
+        let mut batch = rocksdb::WriteBatch::default();
+        put_snapshot(&self.db, &mut batch, &meta, &data);
         self.db
-            .put_cf_opt(cf(&self.db, CF_SM_META), KEY_SNAPSHOT, encode(&stored), &synced())
+            .write_opt(batch, &synced())
             .map_err(|e| io_error(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
         Ok(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) })
     }
@@ -250,7 +302,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     }
                 }
             }
-            self.persist(&mut applied, false)?;
+            self.persist(&mut applied, false, None)?;
         }
         for event in published {
             // No receivers is normal (a follower with no watchers).
@@ -273,28 +325,32 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
-        let payload: SnapshotPayload = decode(&data)
+        let payload = decode_snapshot(&data)
             .map_err(|e| io_error(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Read, e))?;
-        {
-            let mut applied = self.shared.write().expect("state lock poisoned");
-            *applied = Applied {
-                state: payload.state,
-                last_applied: meta.last_log_id,
-                membership: meta.last_membership.clone(),
-            };
-            self.persist(&mut applied, true)?;
-        }
-        let stored = StoredSnapshot { meta: meta.clone(), data };
-        self.db
-            .put_cf_opt(cf(&self.db, CF_SM_META), KEY_SNAPSHOT, encode(&stored), &synced())
-            .map_err(|e| io_error(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Write, e))?;
+        let mut applied = self.shared.write().expect("state lock poisoned");
+        let mut installed = Applied {
+            state: payload.state,
+            last_applied: meta.last_log_id,
+            membership: meta.last_membership.clone(),
+        };
+        // The table, `last_applied` and the snapshot itself: one synced batch, so a crash
+        // leaves either the old state or the new one, never a mix.
+        self.persist(&mut installed, true, Some((meta, &data)))?;
+        *applied = installed;
         Ok(())
     }
 
     async fn get_current_snapshot(&mut self) -> Result<Option<Snapshot<TypeConfig>>, StorageError> {
-        let raw = self.db.get_cf(cf(&self.db, CF_SM_META), KEY_SNAPSHOT).map_err(read_err)?;
-        let Some(raw) = raw else { return Ok(None) };
-        let stored: StoredSnapshot = decode(&raw).map_err(read_err)?;
-        Ok(Some(Snapshot { meta: stored.meta, snapshot: Box::new(Cursor::new(stored.data)) }))
+        let meta_cf = cf(&self.db, CF_SM_META);
+        let Some(meta) = self.db.get_cf(meta_cf, KEY_SNAPSHOT_META).map_err(read_err)? else {
+            return Ok(None);
+        };
+        let meta: SnapshotMeta<u64, openraft::BasicNode> = decode(&meta).map_err(read_err)?;
+        let data = self
+            .db
+            .get_cf(meta_cf, KEY_SNAPSHOT_DATA)
+            .map_err(read_err)?
+            .ok_or_else(|| read_err(std::io::Error::other("snapshot metadata without its data")))?;
+        Ok(Some(Snapshot { meta, snapshot: Box::new(Cursor::new(data)) }))
     }
 }

@@ -78,7 +78,9 @@ impl ClientError {
 /// use tenure::proto::StatusRequest;
 /// use tenure::worker::Client;
 /// let client = Client::new(vec!["10.0.0.1:7001".into(), "10.0.0.2:7001".into()])?;
-/// let status = client.call(|mut c| async move { c.status(StatusRequest {}).await }).await?;
+/// let status = client.status().await?; // the whole table, in pages
+/// let first = client.call(|mut c| async move { c.status(StatusRequest { from_partition: 0, limit: 10 }).await }).await?;
+/// assert!(first.partitions.len() <= 10);
 /// println!("leader at {}, {} partitions", status.leader_addr, status.partition_count);
 /// # Ok(()) }
 /// ```
@@ -168,6 +170,30 @@ impl Client {
                 inner.channels.remove(failed);
             }
         }
+    }
+
+    /// The status of the cluster as one node sees it, with the whole partition table: the
+    /// table arrives in pages of at most 65,536 rows (one message each, so any table size fits
+    /// gRPC's message limits), read one after another; a table that changes meanwhile may show
+    /// rows from different moments.
+    pub async fn status(&self) -> Result<crate::proto::StatusResponse, ClientError> {
+        let page = |from_partition: u32| {
+            self.call(move |mut c| async move {
+                c.status(crate::proto::StatusRequest { from_partition, limit: 0 }).await
+            })
+        };
+        let mut status = page(0).await?;
+        // Bounded: every page starts past the previous one, and a table has at most 2^22 rows.
+        let mut next = status.next_partition.take();
+        while let Some(from) = next {
+            let more = page(from).await?;
+            if more.next_partition.is_some_and(|n| n <= from) {
+                return Err(ClientError::Other(format!("status pages do not advance past {from}")));
+            }
+            status.partitions.extend(more.partitions);
+            next = more.next_partition;
+        }
+        Ok(status)
     }
 
     /// Runs `f` against the leader, following redirects and retrying unreachable nodes.

@@ -172,14 +172,12 @@ struct Held {
     revoking: bool,
     /// `None` until a renewal confirms it.
     valid_until: Option<Instant>,
-    /// Fires on revoke, loss or release.
+    /// When the ownership stream announced it, if that is how it was first heard of: only a
+    /// heartbeat sent after this instant may confirm it.
+    announced_at: Option<Instant>,
+    /// Fires on revoke, loss or release, and when the session ends or the worker is dropped
+    /// (a child of the session's token).
     cancel: CancellationToken,
-}
-
-impl Held {
-    fn announced(token: FencingToken) -> Held {
-        Held { token, revoking: false, valid_until: None, cancel: CancellationToken::new() }
-    }
 }
 
 /// A grant this worker no longer holds.
@@ -200,6 +198,8 @@ struct HeartbeatStream {
     addr: String,
     requests: mpsc::Sender<proto::HeartbeatRequest>,
     answers: tonic::Streaming<proto::HeartbeatResponse>,
+    /// What this stream's answers renew, built from the changes each answer carries.
+    renewing: BTreeMap<u32, u64>,
 }
 
 impl HeartbeatStream {
@@ -213,26 +213,40 @@ impl HeartbeatStream {
                 Ok(answers.map(|answers| (requests, answers)))
             })
             .await?;
-        Ok(HeartbeatStream { addr, requests, answers })
+        Ok(HeartbeatStream { addr, requests, answers, renewing: BTreeMap::new() })
     }
 
-    /// Sends one heartbeat and waits for its answer. A refusal that names another leader points
-    /// the client there.
+    /// Sends one heartbeat and waits for its whole answer (the changes since the stream's last
+    /// one, over as many messages as they take); returns every grant it renewed. A refusal that
+    /// names another leader points the client there.
     async fn beat(
         &mut self,
         client: &Client,
         request: proto::HeartbeatRequest,
-    ) -> Result<proto::HeartbeatResponse, ClientError> {
+    ) -> Result<Vec<proto::PartitionLease>, ClientError> {
         self.requests
             .send(request)
             .await
             .map_err(|_| ClientError::Unavailable("heartbeat stream closed".into()))?;
-        match self.answers.message().await {
-            Ok(Some(answer)) => Ok(answer),
-            Ok(None) => Err(ClientError::Unavailable("heartbeat stream ended".into())),
-            Err(status) => {
-                client.judge(&status, &self.addr)?;
-                Err(ClientError::Unavailable(status.message().to_string()))
+        loop {
+            match self.answers.message().await {
+                Ok(Some(answer)) => {
+                    for partition in answer.dropped {
+                        self.renewing.remove(&partition);
+                    }
+                    self.renewing.extend(answer.renewed.iter().map(|l| (l.partition, l.token)));
+                    if !answer.more {
+                        let renewing = self.renewing.iter();
+                        return Ok(renewing
+                            .map(|(&partition, &token)| proto::PartitionLease { partition, token })
+                            .collect());
+                    }
+                }
+                Ok(None) => return Err(ClientError::Unavailable("heartbeat stream ended".into())),
+                Err(status) => {
+                    client.judge(&status, &self.addr)?;
+                    return Err(ClientError::Unavailable(status.message().to_string()));
+                }
             }
         }
     }
@@ -250,6 +264,8 @@ pub(crate) struct Shared {
     ttl: Duration,
     margin: Duration,
     kick: Notify,
+    /// Raised when a lease was confirmed for the first time: the deadline task looks again.
+    confirmed: Notify,
     /// Raised when the heartbeats are answered by another node than the one the ownership
     /// stream is on: reopen the stream.
     moved: Notify,
@@ -289,6 +305,10 @@ impl Shared {
                     if h.revoking {
                         continue;
                     }
+                    if h.valid_until.is_none() && h.announced_at.is_some_and(|at| sent <= at) {
+                        // Announced after this heartbeat left: it confirms nothing about it.
+                        continue;
+                    }
                     let first = h.valid_until.is_none();
                     let until = h.valid_until.map_or(valid_until, |v| v.max(valid_until));
                     h.valid_until = Some(until);
@@ -309,8 +329,7 @@ impl Shared {
                     if let Some(old) = held.remove(&partition) {
                         self.terminate(partition, old, LostReason::Expired);
                     }
-                    let mut h = Held::announced(token);
-                    h.valid_until = Some(valid_until);
+                    let h = self.held(token, Some(valid_until), None);
                     let cancel = h.cancel.clone();
                     held.insert(partition, h);
                     self.assigned(partition, token, cancel);
@@ -319,7 +338,43 @@ impl Shared {
         }
     }
 
+    /// A grant as this worker starts to hold it; its cancellation is a child of the session's.
+    fn held(&self, token: FencingToken, valid_until: Option<Instant>, announced_at: Option<Instant>) -> Held {
+        Held { token, revoking: false, valid_until, announced_at, cancel: self.session_over.child_token() }
+    }
+
+    /// Whether `token` of `partition` was given up already and may not be held again (a
+    /// released, revoked, lost or fenced grant, or an older one).
+    fn given_up(&self, partition: PartitionId, token: FencingToken) -> bool {
+        let retired = self.retired.lock().expect("worker lock poisoned");
+        retired.get(&partition).is_some_and(|r| token < r.token || (token == r.token && !r.may_return))
+    }
+
+    /// Stops believing in `partitions` (every held one when `None`) before the coordinator is
+    /// told they are given up: their handles are cancelled and retired and the application is
+    /// told `Released` now, because the entry that releases them may grant them to the next
+    /// owner at once. Returns what was withdrawn.
+    fn withdraw(&self, partitions: Option<&[PartitionId]>) -> BTreeMap<PartitionId, FencingToken> {
+        let mut held = self.held.lock().expect("worker lock poisoned");
+        let chosen: Vec<PartitionId> = match partitions {
+            Some(list) => list.iter().copied().filter(|p| held.contains_key(p)).collect(),
+            None => held.keys().copied().collect(),
+        };
+        let mut withdrawn = BTreeMap::new();
+        for partition in chosen {
+            let h = held.remove(&partition).expect("present");
+            self.retire(partition, h.token, false);
+            h.cancel.cancel();
+            if h.valid_until.is_some() {
+                self.emit(WorkerEvent::Released { partition, token: h.token });
+            }
+            withdrawn.insert(partition, h.token);
+        }
+        withdrawn
+    }
+
     fn assigned(self: &Arc<Self>, partition: PartitionId, token: FencingToken, cancel: CancellationToken) {
+        self.confirmed.notify_one();
         let range = self.keyspace.range(partition).unwrap_or(HashRange { start: 0, end: 0 });
         self.emit(WorkerEvent::Assigned(PartitionHandle {
             partition,
@@ -345,11 +400,6 @@ impl Shared {
         }
     }
 
-    /// The grants this worker holds now, for matching a release answer to what it released.
-    fn tokens(&self) -> BTreeMap<PartitionId, FencingToken> {
-        self.held.lock().expect("worker lock poisoned").iter().map(|(p, h)| (*p, h.token)).collect()
-    }
-
     /// Drops the grant `token` of `partition` after a release. A later grant of the same
     /// partition, which may have arrived on the stream before the release's answer, is kept.
     fn released(&self, partition: PartitionId, token: FencingToken) {
@@ -370,8 +420,11 @@ impl Shared {
         let current = held.get(&partition).map(|h| (h.token, h.revoking));
         match Kind::try_from(event.kind).unwrap_or(Kind::Unspecified) {
             Kind::Assigned => {
-                if current.is_none_or(|(t, _)| t < token) {
-                    if let Some(old) = held.insert(partition, Held::announced(token)) {
+                // A stream that was read before a release (its opening snapshot, say) may still
+                // announce the released grant: a grant given up is never taken back.
+                if current.is_none_or(|(t, _)| t < token) && !self.given_up(partition, token) {
+                    let announced = self.held(token, None, Some(Instant::now()));
+                    if let Some(old) = held.insert(partition, announced) {
                         self.terminate(partition, old, LostReason::Expired);
                     }
                     self.kick.notify_one();
@@ -564,6 +617,10 @@ pub struct Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // Belief ends here, before anything is sent: every handle is cancelled and retired.
+        if !self.left.load(std::sync::atomic::Ordering::SeqCst) {
+            self.shared.withdraw(None);
+        }
         self.cancel.cancel();
         if self.left.swap(true, std::sync::atomic::Ordering::SeqCst) {
             return;
@@ -588,7 +645,7 @@ async fn leave_session(client: &Client, session: SessionId, secret: String) -> R
             async move { c.leave(leave).await }
         })
         .await?;
-    let release = proto::ReleaseRequest { session_id: session.0, secret, partitions: Vec::new(), all: true };
+    let release = proto::ReleaseRequest { session_id: session.0, secret, all: true, ..Default::default() };
     let released = client
         .call(|mut c| {
             let release = release.clone();
@@ -641,6 +698,7 @@ impl Worker {
             ttl,
             margin,
             kick: Notify::new(),
+            confirmed: Notify::new(),
             moved: Notify::new(),
             watching: Mutex::new(None),
             session_over: cancel.child_token(),
@@ -704,41 +762,50 @@ impl Worker {
         self.send_release(Vec::new(), true).await
     }
 
+    /// Belief ends first: the partitions' handles are cancelled and `Released` is reported
+    /// before the request leaves, since the entry that releases them may grant them to another
+    /// worker at once. If the coordinator cannot be told (an error is returned), they are not
+    /// believed any more all the same; call again, or they are given away when the session ends.
     async fn send_release(&self, partitions: Vec<u32>, all: bool) -> Result<(), ClientError> {
-        let request = proto::ReleaseRequest {
-            session_id: self.session.0,
-            secret: self.secret.clone(),
-            partitions,
-            all,
+        let chosen: Vec<PartitionId> = partitions.iter().map(|p| PartitionId(*p)).collect();
+        let withdrawn = self.shared.withdraw(if all { None } else { Some(&chosen) });
+        // Each partition this worker held is released under its grant's token, so a release
+        // that arrives late cannot take a newer grant of the same partition; one it did not
+        // hold (never confirmed, or already given up) goes without, as before.
+        let request = if !all && chosen.iter().all(|p| withdrawn.contains_key(p)) {
+            let tokens = chosen.iter().map(|p| withdrawn[p].0).collect();
+            proto::ReleaseRequest {
+                session_id: self.session.0,
+                secret: self.secret.clone(),
+                partitions,
+                all,
+                tokens,
+            }
+        } else {
+            proto::ReleaseRequest {
+                session_id: self.session.0,
+                secret: self.secret.clone(),
+                partitions,
+                all,
+                tokens: Vec::new(),
+            }
         };
-        // What is released is what this worker held when it asked, not what it may have been
-        // granted again by the time the answer comes back.
-        let asked = self.shared.tokens();
-        let reply = self
-            .client
+        self.client
             .call(|mut c| {
                 let request = request.clone();
                 async move { c.release(request).await }
             })
             .await?;
-        for p in reply.released {
-            if let Some(token) = asked.get(&PartitionId(p)) {
-                self.shared.released(PartitionId(p), *token);
-            }
-        }
         Ok(())
     }
 
-    /// Leaves gracefully: the session's partitions are revoked and all released at once (the
-    /// application should have finished or checkpointed its work), then the session ends and the
+    /// Leaves gracefully: this worker stops believing in every partition (each is reported
+    /// `Released`; the application should have finished or checkpointed its work), then the
+    /// session's partitions are revoked and all released at once, the session ends and the
     /// background tasks stop.
     pub async fn leave(&self) -> Result<(), ClientError> {
-        let asked = self.shared.tokens();
-        for p in leave_session(&self.client, self.session, self.secret.clone()).await? {
-            if let Some(token) = asked.get(&PartitionId(p)) {
-                self.shared.released(PartitionId(p), *token);
-            }
-        }
+        self.shared.withdraw(None);
+        leave_session(&self.client, self.session, self.secret.clone()).await?;
         self.left.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.end_session("left".into());
         self.cancel.cancel();
@@ -758,7 +825,11 @@ impl Worker {
     /// lease with.
     fn heartbeat_loop(&self, every: Duration) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
-        let request = proto::HeartbeatRequest { session_id: self.session.0, secret: self.secret.clone() };
+        let request = proto::HeartbeatRequest {
+            session_id: self.session.0,
+            secret: self.secret.clone(),
+            ..Default::default()
+        };
         let patience = shared.ttl / 2;
         async move {
             let mut stream: Option<HeartbeatStream> = None;
@@ -785,8 +856,8 @@ impl Worker {
                     Err(ClientError::Unavailable(format!("no heartbeat answer within {patience:?}")))
                 });
                 let pause = match outcome {
-                    Ok(reply) => {
-                        shared.renewed(sent, &reply.renewed);
+                    Ok(renewed) => {
+                        shared.renewed(sent, &renewed);
                         failing = false;
                         retries = retry_pauses(every);
                         if let Some(s) = &stream {
@@ -887,14 +958,17 @@ impl Worker {
     fn deadline_loop(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (shared, cancel) = (self.shared.clone(), self.cancel.clone());
         async move {
+            // A scan costs what the worker holds, so it runs when the earliest deadline comes
+            // (renewals only move deadlines later) or a lease is confirmed for the first time,
+            // not on a fixed tick: a worker holding half a million partitions would spend a
+            // core on it.
             loop {
                 let next = shared.check_deadlines(Instant::now());
-                let wake = next
-                    .unwrap_or_else(|| Instant::now() + Duration::from_millis(50))
-                    .min(Instant::now() + Duration::from_millis(50));
+                let wake = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep_until(wake) => {}
+                    _ = shared.confirmed.notified() => {}
                 }
             }
         }
@@ -919,6 +993,7 @@ mod tests {
             ttl: Duration::from_secs(1),
             margin: Duration::from_millis(200),
             kick: Notify::new(),
+            confirmed: Notify::new(),
             moved: Notify::new(),
             watching: Mutex::new(None),
             session_over: CancellationToken::new(),
@@ -959,12 +1034,70 @@ mod tests {
         // back after the same partition had been granted to this worker again (grant 18).
         let (s, mut rx) = shared();
         s.renewed(Instant::now(), &lease(1, 3));
-        let asked = s.tokens();
-        s.released(PartitionId(1), asked[&PartitionId(1)]);
+        s.withdraw(Some(&[PartitionId(1)]));
         s.renewed(Instant::now(), &lease(1, 18));
         assert_eq!(assigned(&mut rx), 2);
-        s.released(PartitionId(1), asked[&PartitionId(1)]); // the late answer
+        s.released(PartitionId(1), FencingToken(3)); // the stream's late word on the release
         assert!(s.valid_until(PartitionId(1), FencingToken(18)).is_some());
+    }
+
+    fn announce(s: &Shared, p: u32, token: u64) {
+        let kind = Kind::Assigned as i32;
+        s.streamed(&proto::OwnershipEvent { kind, partition: p, token, ..Default::default() });
+    }
+
+    #[test]
+    fn an_announced_partition_is_believed_only_after_a_heartbeat_sent_after_the_announcement() {
+        let (s, mut rx) = shared();
+        let before = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        announce(&s, 1, 5);
+        // The answer to a heartbeat that left before the announcement confirms nothing.
+        s.renewed(before, &lease(1, 5));
+        assert_eq!(assigned(&mut rx), 0);
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), None);
+        std::thread::sleep(Duration::from_millis(2));
+        s.renewed(Instant::now(), &lease(1, 5));
+        assert_eq!(assigned(&mut rx), 1);
+    }
+
+    #[test]
+    fn a_stream_read_before_a_release_does_not_bring_the_released_grant_back() {
+        let (s, mut rx) = shared();
+        s.renewed(Instant::now(), &lease(2, 7));
+        assert_eq!(assigned(&mut rx), 1);
+        s.withdraw(Some(&[PartitionId(2)]));
+        // The ownership stream's snapshot, read before the release, announces grant 7 again,
+        // and a later heartbeat's answer (sent before the release was applied) lists it.
+        announce(&s, 2, 7);
+        std::thread::sleep(Duration::from_millis(2));
+        s.renewed(Instant::now(), &lease(2, 7));
+        assert_eq!(assigned(&mut rx), 0);
+        assert_eq!(s.valid_until(PartitionId(2), FencingToken(7)), None);
+    }
+
+    #[test]
+    fn withdrawing_cancels_the_handle_and_reports_released_at_once() {
+        let (s, mut rx) = shared();
+        s.renewed(Instant::now(), &lease(0, 4));
+        let handle = match rx.try_recv() {
+            Ok(WorkerEvent::Assigned(h)) => h,
+            other => panic!("{other:?}"),
+        };
+        assert!(handle.is_valid());
+        let withdrawn = s.withdraw(None);
+        assert_eq!(withdrawn, BTreeMap::from([(PartitionId(0), FencingToken(4))]));
+        assert!(!handle.is_valid() && handle.cancellation().is_cancelled());
+        assert!(matches!(rx.try_recv(), Ok(WorkerEvent::Released { token: FencingToken(4), .. })));
+    }
+
+    #[test]
+    fn every_handle_is_cancelled_when_the_session_is_over() {
+        let (s, mut rx) = shared();
+        s.renewed(Instant::now(), &lease(3, 9));
+        let Ok(WorkerEvent::Assigned(handle)) = rx.try_recv() else { panic!("assigned") };
+        s.session_over.cancel();
+        assert!(handle.cancellation().is_cancelled());
     }
 
     #[test]

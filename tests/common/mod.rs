@@ -42,12 +42,21 @@ pub async fn worker(c: &LocalCluster, name: &str) -> Worker {
 }
 
 /// Polls `check` until it returns `Some`, or panics after [`PATIENCE`].
-pub async fn eventually<T, F, Fut>(what: &str, mut check: F) -> T
+pub async fn eventually<T, F, Fut>(what: &str, check: F) -> T
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Option<T>>,
 {
-    let until = Instant::now() + PATIENCE;
+    eventually_within(PATIENCE, what, check).await
+}
+
+/// Polls `check` until it returns `Some`, or panics after `patience`.
+pub async fn eventually_within<T, F, Fut>(patience: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let until = Instant::now() + patience;
     loop {
         if let Some(v) = check().await {
             return v;

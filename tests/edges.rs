@@ -1,0 +1,207 @@
+//! Safety at the edges a workload of our own never reached: what users do that the fault suite
+//! did not. Each test names the finding it guards and failed before its fix.
+//!
+//! - A node restarted with another `--lease-ttl-ms` judged leases by its own flag, not the
+//!   TTL the cluster was created with and told its workers.
+//! - Releasing of one's own accord, leaving and dropping a `Worker` gave partitions away before
+//!   the worker stopped believing in them.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+use tenure::ids::{PartitionId, SessionId};
+use tenure::local_cluster::LocalCluster;
+use tenure::ownership::Event;
+use tenure::store::AppliedEvent;
+use tenure::worker::{PartitionHandle, WorkerEvent};
+use tokio::sync::broadcast;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::time::Instant;
+
+/// The handles of every `Assigned` event so far that are still valid, by partition.
+fn valid_handles(events: &mut UnboundedReceiver<WorkerEvent>) -> BTreeMap<PartitionId, PartitionHandle> {
+    let mut handles = BTreeMap::new();
+    while let Ok(event) = events.try_recv() {
+        if let WorkerEvent::Assigned(h) = event {
+            handles.insert(h.partition(), h);
+        }
+    }
+    handles.retain(|_, h| h.is_valid());
+    handles
+}
+
+/// Waits for the first applied event that `pick` accepts, on any of `feeds`.
+async fn first_applied(
+    feeds: &mut [broadcast::Receiver<Arc<AppliedEvent>>],
+    pick: impl Fn(&Event) -> bool,
+) -> Event {
+    let until = Instant::now() + PATIENCE;
+    loop {
+        for feed in feeds.iter_mut() {
+            loop {
+                match feed.try_recv() {
+                    Ok(applied) => {
+                        if let Some(e) = applied.events.iter().find(|e| pick(e)) {
+                            return e.clone();
+                        }
+                    }
+                    Err(broadcast::error::TryRecvError::Lagged(_)) => continue,
+                    Err(_) => break,
+                }
+            }
+        }
+        assert!(Instant::now() < until, "timed out waiting for an applied event");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn feeds(c: &LocalCluster) -> Vec<broadcast::Receiver<Arc<AppliedEvent>>> {
+    c.running().map(|n| n.node.applied_events()).collect()
+}
+
+fn gives_away(session: SessionId) -> impl Fn(&Event) -> bool {
+    move |e| match e {
+        Event::Released { session: s, .. } | Event::Lost { session: s, .. } => *s == session,
+        _ => false,
+    }
+}
+
+/// Before the fix, the restarted leader judged leases by its 1 s flag while the workers, told
+/// 4 s, renewed every second: sessions expired over and over and the table never settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let created = Duration::from_millis(4000);
+    let mut c = LocalCluster::start(3, dir.path(), |n| {
+        fast(n);
+        n.lease_ttl = created;
+    })
+    .await
+    .expect("cluster starts");
+    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    eventually("the cluster is configured", || async {
+        c.status().await.ok().filter(|s| !s.partitions.is_empty())
+    })
+    .await;
+    // Every node comes back with a shorter TTL on its command line; one of them leads.
+    for id in c.ids() {
+        c.stop(id).await;
+    }
+    for id in c.ids() {
+        c.restart_with(id, |n| n.lease_ttl = Duration::from_millis(1000)).await.expect("restarts");
+    }
+    c.wait_for_leader(PATIENCE).await.expect("a leader among the restarted nodes");
+
+    let mut a = worker(&c, "a").await;
+    assert_eq!(a.lease_ttl(), created, "workers are told the cluster's TTL");
+    let mut events = a.events();
+    let b = worker(&c, "b").await;
+    settled(&c, 2).await;
+    workers_agree(&c, &[&a, &b]).await;
+    let mut feeds = feeds(&c);
+    let handles = valid_handles(&mut events);
+    assert!(!handles.is_empty());
+    // The latest instant `a` may still believe in a partition, by its own lease arithmetic.
+    let believed_until = handles.values().filter_map(PartitionHandle::valid_until).max().expect("believed");
+    let session = a.session();
+    a.abandon(); // a crash: no more heartbeats
+    let lost = first_applied(&mut feeds, gives_away(session)).await;
+    let lost_at = Instant::now();
+    assert!(
+        lost_at >= believed_until,
+        "{lost:?} was applied {:?} before the crashed worker stopped believing",
+        believed_until - lost_at
+    );
+    settled(&c, 1).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_of_its_own_accord_ends_belief_before_the_partition_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let mut a = worker(&c, "a").await;
+    let mut events = a.events();
+    let b = worker(&c, "b").await;
+    settled(&c, 2).await;
+    workers_agree(&c, &[&a, &b]).await;
+    let handles = valid_handles(&mut events);
+    let (&p, handle) = handles.iter().next().expect("a holds partitions");
+    let mut feeds = feeds(&c);
+    let session = a.session();
+    let release = tokio::spawn(async move {
+        a.release(&[p]).await.expect("released");
+        a
+    });
+    let event = first_applied(&mut feeds, gives_away(session)).await;
+    assert!(matches!(event, Event::Released { partition, .. } if partition == p), "{event:?}");
+    assert!(
+        handle.cancellation().is_cancelled() && !handle.is_valid(),
+        "{p} was released by the cluster while its handle still believed in it"
+    );
+    let a = release.await.unwrap();
+    assert!(!a.owned().contains_key(&p) || a.owned()[&p] > handle.token());
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leaving_ends_belief_before_any_partition_moves() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let mut a = worker(&c, "a").await;
+    let mut events = a.events();
+    let b = worker(&c, "b").await;
+    settled(&c, 2).await;
+    workers_agree(&c, &[&a, &b]).await;
+    let handles = valid_handles(&mut events);
+    assert!(!handles.is_empty());
+    let mut feeds = feeds(&c);
+    let session = a.session();
+    let leave = tokio::spawn(async move { a.leave().await.expect("left") });
+    // The first thing the leave does to the table (revoking every partition) comes after the
+    // worker stopped believing, not only the releases that let others have them.
+    first_applied(&mut feeds, move |e| e.decision().is_some_and(|(_, s, _, _)| s == session)).await;
+    for (p, h) in &handles {
+        assert!(
+            h.cancellation().is_cancelled() && !h.is_valid(),
+            "{p} moved while its handle still believed"
+        );
+    }
+    leave.await.unwrap();
+    // Every partition reports its one terminal event, Released.
+    let mut released = std::collections::BTreeSet::new();
+    while let Ok(event) = events.try_recv() {
+        if let WorkerEvent::Released { partition, .. } = event {
+            released.insert(partition);
+        }
+    }
+    assert_eq!(released, handles.keys().copied().collect());
+    settled(&c, 1).await;
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dropping_a_worker_ends_belief_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let mut a = worker(&c, "a").await;
+    let mut events = a.events();
+    let b = worker(&c, "b").await;
+    settled(&c, 2).await;
+    workers_agree(&c, &[&a, &b]).await;
+    let handles = valid_handles(&mut events);
+    assert!(!handles.is_empty());
+    drop(a);
+    // Before anything was sent: the drop itself ended every handle.
+    for (p, h) in &handles {
+        assert!(h.cancellation().is_cancelled() && !h.is_valid(), "{p} still believed after the drop");
+    }
+    // The graceful leave the drop started hands everything over without waiting for a TTL:
+    // b holds the whole table under new grants.
+    settled(&c, 1).await;
+    c.shutdown().await;
+}
