@@ -16,7 +16,7 @@ use tenure::ids::{PartitionId, SessionId};
 use tenure::local_cluster::LocalCluster;
 use tenure::ownership::Event;
 use tenure::store::AppliedEvent;
-use tenure::worker::{PartitionHandle, WorkerEvent};
+use tenure::worker::{PartitionHandle, Worker, WorkerEvent};
 use tokio::sync::broadcast;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
@@ -56,6 +56,19 @@ async fn first_applied(
         assert!(Instant::now() < until, "timed out waiting for an applied event");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
+}
+
+/// Workers a and b on a settled table, with a's event stream and the handles a believes in.
+async fn two_workers(
+    c: &LocalCluster,
+) -> (Worker, Worker, UnboundedReceiver<WorkerEvent>, BTreeMap<PartitionId, PartitionHandle>) {
+    let mut a = worker(c, "a").await;
+    let mut events = a.events();
+    let b = worker(c, "b").await;
+    settled(c, 2).await;
+    workers_agree(c, &[&a, &b]).await;
+    let handles = valid_handles(&mut events);
+    (a, b, events, handles)
 }
 
 fn feeds(c: &LocalCluster) -> Vec<broadcast::Receiver<Arc<AppliedEvent>>> {
@@ -124,12 +137,7 @@ async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
 async fn a_release_of_its_own_accord_ends_belief_before_the_partition_moves() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let mut a = worker(&c, "a").await;
-    let mut events = a.events();
-    let b = worker(&c, "b").await;
-    settled(&c, 2).await;
-    workers_agree(&c, &[&a, &b]).await;
-    let handles = valid_handles(&mut events);
+    let (a, _b, _events, handles) = two_workers(&c).await;
     let (&p, handle) = handles.iter().next().expect("a holds partitions");
     let mut feeds = feeds(&c);
     let session = a.session();
@@ -152,12 +160,7 @@ async fn a_release_of_its_own_accord_ends_belief_before_the_partition_moves() {
 async fn leaving_ends_belief_before_any_partition_moves() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let mut a = worker(&c, "a").await;
-    let mut events = a.events();
-    let b = worker(&c, "b").await;
-    settled(&c, 2).await;
-    workers_agree(&c, &[&a, &b]).await;
-    let handles = valid_handles(&mut events);
+    let (a, _b, mut events, handles) = two_workers(&c).await;
     assert!(!handles.is_empty());
     let mut feeds = feeds(&c);
     let session = a.session();
@@ -188,12 +191,7 @@ async fn leaving_ends_belief_before_any_partition_moves() {
 async fn dropping_a_worker_ends_belief_at_once() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let mut a = worker(&c, "a").await;
-    let mut events = a.events();
-    let b = worker(&c, "b").await;
-    settled(&c, 2).await;
-    workers_agree(&c, &[&a, &b]).await;
-    let handles = valid_handles(&mut events);
+    let (a, _b, _events, handles) = two_workers(&c).await;
     assert!(!handles.is_empty());
     drop(a);
     // Before anything was sent: the drop itself ended every handle.
