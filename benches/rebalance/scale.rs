@@ -92,9 +92,9 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
     let after = live_bytes();
     table.figure(format!("{label}: heap held by one replica's table"), mib(after.saturating_sub(before)));
     let t = Instant::now();
-    let snapshot = serde_json::to_vec(&state)?;
+    let snapshot = tenure::store::encode_table_snapshot(&state);
     let encode = t.elapsed();
-    table.figure(format!("{label}: snapshot size (JSON)"), mib(snapshot.len() as u64));
+    table.figure(format!("{label}: snapshot size (binary)"), mib(snapshot.len() as u64));
     table.figure(format!("{label}: snapshot encode"), format!("{:.0} ms", ms(encode)));
     drop(snapshot);
 

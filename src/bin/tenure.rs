@@ -161,7 +161,8 @@ struct NemesisArgs {
     lease_ttl_ms: u64,
     /// Fault kinds to draw from, comma separated (default: all): freeze-worker, crash-worker,
     /// partition-worker, minority-leader, isolate-leader, pause-leader, kill-leader,
-    /// kill-follower, kill-all.
+    /// kill-follower, kill-all, slow-network, restart-other-flags, and what applications do of
+    /// their own accord: release-own-accord, leave-worker, drop-worker.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
     /// Switch the store's fencing check off (the checker must then report violations).

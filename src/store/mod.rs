@@ -23,4 +23,6 @@ mod state_machine;
 pub use db::{open, Db};
 pub use log_store::LogStore;
 pub use replay::{replay_applied, ReplayError, ReplayedEntry};
-pub use state_machine::{AppliedEvent, SharedState, SnapshotFormatError, StateMachineStore, SNAPSHOT_FORMAT};
+pub use state_machine::{
+    encode_table_snapshot, AppliedEvent, SharedState, SnapshotFormatError, StateMachineStore, SNAPSHOT_FORMAT,
+};
