@@ -1092,6 +1092,25 @@ mod tests {
     }
 
     #[test]
+    fn a_lease_runs_from_the_send_of_the_heartbeat_that_confirmed_it_less_the_margin() {
+        // The library's own rule, on its own code: a zero margin, or a lease counted from the
+        // answer's arrival, would each give another instant here.
+        let (s, _rx) = shared();
+        let sent = Instant::now();
+        std::thread::sleep(Duration::from_millis(5)); // the answer arrives later
+        s.renewed(sent, &lease(1, 5));
+        let want = sent + s.ttl - s.margin;
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(want));
+        assert!(s.margin > Duration::ZERO);
+        // A later heartbeat moves it to its own send, never back.
+        let later = sent + Duration::from_millis(1);
+        s.renewed(later, &lease(1, 5));
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + s.ttl - s.margin));
+        s.renewed(sent, &lease(1, 5));
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + s.ttl - s.margin));
+    }
+
+    #[test]
     fn every_handle_is_cancelled_when_the_session_is_over() {
         let (s, mut rx) = shared();
         s.renewed(Instant::now(), &lease(3, 9));
