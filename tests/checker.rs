@@ -117,7 +117,7 @@ fn caught(h: &History, invariant: &str) {
 fn a_correct_history_passes_every_invariant() {
     let report = check(&correct());
     assert!(report.passed(), "\n{report}");
-    assert_eq!(report.verdicts.len(), 9);
+    assert_eq!(report.verdicts.len(), 10);
     assert!(report.verdicts.iter().all(|v| v.skipped.is_none()), "\n{report}");
 }
 
@@ -239,4 +239,27 @@ fn a_worker_that_acts_on_a_grant_after_it_was_given_away_is_caught() {
         c.at_ns = 0;
     }
     assert!(check(&h).passed(), "\n{}", check(&h));
+}
+
+#[test]
+fn an_incomplete_history_is_caught() {
+    // A final table missing a row would pass liveness and balance for it without a look.
+    let mut h = correct();
+    h.final_table.pop();
+    caught(&h, "the history is complete");
+    // The same row twice is no better.
+    let mut h = correct();
+    h.final_table.push(h.final_table[1].clone());
+    caught(&h, "the history is complete");
+    // A recorder that fell behind says so, and the history is not evidence of anything then.
+    let mut h = correct();
+    h.gaps.push("the recorder of node 2 missed 3 applied entries".into());
+    caught(&h, "the history is complete");
+}
+
+#[test]
+fn a_write_accepted_under_a_token_never_granted_is_caught() {
+    let mut h = correct();
+    h.store.push(store(4, 1, 7, true)); // p1 never had a grant with token 7
+    caught(&h, "no acknowledged grant is lost");
 }

@@ -85,6 +85,7 @@ pub fn check(history: &History) -> Report {
     let log = agreed_log(history);
     Report {
         verdicts: vec![
+            complete(history),
             replicas_agree(&log.disagreements),
             token_monotonicity(&log.entries),
             one_owner(&log.entries),
@@ -139,6 +140,31 @@ fn agreed_log(history: &History) -> AgreedLog {
         }
     }
     AgreedLog { entries, disagreements }
+}
+
+/// The history covers what it claims to: no recorder missed entries, and a final table, when
+/// read, has exactly one row for each of the run's partitions (a table missing rows would pass
+/// liveness, balance and durability for them without a look).
+fn complete(history: &History) -> Verdict {
+    let mut v = Verdict::new("the history is complete");
+    for gap in &history.gaps {
+        v.violation(gap.clone());
+    }
+    if !history.final_table.is_empty() {
+        let rows: BTreeSet<u32> = history.final_table.iter().map(|r| r.partition.0).collect();
+        let want = history.partition_count as usize;
+        if rows.len() != history.final_table.len()
+            || rows.len() != want
+            || rows.iter().any(|p| *p as usize >= want)
+        {
+            v.violation(format!(
+                "the final table has {} rows for {} distinct partitions; the run has {want}",
+                history.final_table.len(),
+                rows.len()
+            ));
+        }
+    }
+    v
 }
 
 fn replicas_agree(disagreements: &[String]) -> Verdict {
@@ -354,6 +380,15 @@ fn durability(history: &History, log: &[Committed]) -> Verdict {
         .filter(|c| c.decision == Decision::Granted)
         .map(|c| (c.partition, c.session, c.token))
         .collect();
+    // Every token the store accepted for a partition was granted for it by a committed entry.
+    for r in history.store.iter().filter(|r| r.accepted && r.token.0 > 0) {
+        if !granted.iter().any(|(p, _, t)| *p == r.partition && *t == r.token) {
+            v.violation(format!(
+                "the store accepted token {} for {} at #{}, which no committed entry granted",
+                r.token, r.partition, r.seq
+            ));
+        }
+    }
     for r in history.workers.iter().filter(|r| r.op == WorkerOp::Acquired) {
         if !granted.contains(&(r.partition, r.session, r.token)) {
             v.violation(format!(

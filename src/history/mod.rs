@@ -133,6 +133,9 @@ pub struct History {
     pub faults: Vec<Fault>,
     /// The table once the run was over and quiet; empty when it was not read.
     pub final_table: Vec<FinalRow>,
+    /// What the recorders know they missed; a history with gaps is not complete evidence.
+    #[serde(default)]
+    pub gaps: Vec<String>,
     /// The sessions alive at the end, by worker name (equal weights).
     pub live_sessions: BTreeMap<String, SessionId>,
     /// From the last heal until every partition was owned by a live session and confirmed by

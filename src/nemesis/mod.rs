@@ -368,6 +368,9 @@ impl crate::fence::FenceStore for JournaledStore {
 struct CoordinatorRecorder {
     clock: Clock,
     records: Arc<Mutex<Vec<Committed>>>,
+    /// What the recorders know they missed (a follower that fell behind the applied events):
+    /// the history says so, and the checker refuses to call it complete.
+    gaps: Arc<Mutex<Vec<String>>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -377,7 +380,7 @@ impl CoordinatorRecorder {
         let Coordinators::InProcess(cluster) = cluster else { return };
         let Some(node) = cluster.node(id) else { return };
         let mut applied = node.node.sm.subscribe();
-        let (clock, records) = (self.clock, self.records.clone());
+        let (clock, records, gaps) = (self.clock, self.records.clone(), self.gaps.clone());
         self.tasks.push(tokio::spawn(async move {
             use tokio::sync::broadcast::error::RecvError;
             loop {
@@ -385,6 +388,8 @@ impl CoordinatorRecorder {
                     Ok(entry) => entry,
                     Err(RecvError::Lagged(n)) => {
                         tracing::warn!(node = id, missed = n, "history recorder lagged");
+                        let gap = format!("the recorder of node {id} missed {n} applied entries");
+                        gaps.lock().expect("recorder lock poisoned").push(gap);
                         continue;
                     }
                     Err(RecvError::Closed) => return,
@@ -447,7 +452,12 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
             Coordinators::Processes(ProcessCluster::start(config.nodes, dir, settings).await?)
         }
     };
-    let mut recorder = CoordinatorRecorder { clock, records: Default::default(), tasks: Vec::new() };
+    let mut recorder = CoordinatorRecorder {
+        clock,
+        records: Default::default(),
+        gaps: Default::default(),
+        tasks: Vec::new(),
+    };
     for id in cluster.ids() {
         recorder.follow(&cluster, id);
     }
@@ -569,6 +579,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
         slot.join().await;
     }
     let committed = recorder.records.clone();
+    let gaps = std::mem::take(&mut *recorder.gaps.lock().expect("recorder lock poisoned"));
     drop(recorder); // stops following
     if let Some(processes) = cluster.shutdown().await {
         // The processes are gone; what they decided is in their logs.
@@ -605,6 +616,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
     history.workers = std::mem::take(&mut *worker_records.lock().expect("worker records poisoned"));
     history.store = store.journal();
     history.faults = faults;
+    history.gaps = gaps;
     history.final_table = final_table;
     history.live_sessions = live_sessions;
     history.recovered_after_ms = recovered_after.map(|d| d.as_millis() as u64);
