@@ -55,6 +55,29 @@ fn every_seed_keeps_every_invariant() {
         })
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+    // Each seed proves it did something, not only the sweep in total: a seed that injected no
+    // fault, committed almost nothing or barely wrote is no evidence. (Refused writes cannot be
+    // required per seed: most 4-second seeds draw no fault that makes a late write.)
+    let idle: Vec<String> = summaries
+        .iter()
+        .filter(|s| {
+            s.faults.is_empty()
+                || s.committed_decisions < 10
+                || s.worker_operations < 100
+                || s.writes_accepted < 100
+        })
+        .map(|s| {
+            format!(
+                "seed {}: {} faults, {} committed decisions, {} worker operations, {} writes accepted",
+                s.seed,
+                s.faults.len(),
+                s.committed_decisions,
+                s.worker_operations,
+                s.writes_accepted
+            )
+        })
+        .collect();
+    assert!(idle.is_empty(), "seeds that did too little to count:\n{}", idle.join("\n"));
     let kinds: BTreeSet<&str> = summaries
         .iter()
         .flat_map(|s| s.faults.iter().map(|f| f.split(' ').next().unwrap_or_default()))
