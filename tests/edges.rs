@@ -71,6 +71,13 @@ async fn two_workers(
     (a, b, events, handles)
 }
 
+/// Every handle has stopped believing: cancelled, and not valid.
+fn withdrawn(handles: &BTreeMap<PartitionId, PartitionHandle>, when: &str) {
+    for (p, h) in handles {
+        assert!(h.cancellation().is_cancelled() && !h.is_valid(), "{p} still believed {when}");
+    }
+}
+
 fn feeds(c: &LocalCluster) -> Vec<broadcast::Receiver<Arc<AppliedEvent>>> {
     c.running().map(|n| n.node.applied_events()).collect()
 }
@@ -168,12 +175,7 @@ async fn leaving_ends_belief_before_any_partition_moves() {
     // The first thing the leave does to the table (revoking every partition) comes after the
     // worker stopped believing, not only the releases that let others have them.
     first_applied(&mut feeds, move |e| e.decision().is_some_and(|(_, s, _, _)| s == session)).await;
-    for (p, h) in &handles {
-        assert!(
-            h.cancellation().is_cancelled() && !h.is_valid(),
-            "{p} moved while its handle still believed"
-        );
-    }
+    withdrawn(&handles, "when the leave's first decision was applied");
     leave.await.unwrap();
     // Every partition reports its one terminal event, Released.
     let mut released = std::collections::BTreeSet::new();
@@ -195,9 +197,7 @@ async fn dropping_a_worker_ends_belief_at_once() {
     assert!(!handles.is_empty());
     drop(a);
     // Before anything was sent: the drop itself ended every handle.
-    for (p, h) in &handles {
-        assert!(h.cancellation().is_cancelled() && !h.is_valid(), "{p} still believed after the drop");
-    }
+    withdrawn(&handles, "after the drop");
     // The graceful leave the drop started hands everything over without waiting for a TTL:
     // b holds the whole table under new grants.
     settled(&c, 1).await;

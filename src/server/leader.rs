@@ -25,12 +25,9 @@ const MAX_RENEWAL_BATCH: usize = 16384;
 pub(crate) struct Leadership {
     pub term: u64,
     pub table: LeaseTable,
-}
-
-/// The cluster's lease TTL, from the replicated configuration; `None` before it is configured.
-fn cluster_ttl(node: &Node) -> Option<Duration> {
-    let applied = node.state.read().expect("state lock poisoned");
-    applied.state.config().map(|c| Duration::from_millis(c.lease_ttl_ms))
+    /// Whether the table runs on the replicated TTL yet (false only while the cluster's
+    /// configuration is not applied: the table then starts from the value this node proposes).
+    pub configured: bool,
 }
 
 /// Follows leadership, applied events and the clock; proposes configuration and expiries.
@@ -50,18 +47,11 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     // is applied, so one at a time is enough and a failed one is retried on a later tick.
     // Dropping it (on a leadership change) abandons the wait, not the entry.
     let mut proposing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
-    let stop_proposing = |proposing: &mut Option<Pin<Box<dyn Future<Output = ()> + Send>>>| {
-        *proposing = None;
-    };
     loop {
         tokio::select! {
-            _ = cancel.cancelled() => {
-                stop_proposing(&mut proposing);
-                return;
-            }
+            _ = cancel.cancelled() => return,
             changed = metrics.changed() => {
                 if changed.is_err() {
-                    stop_proposing(&mut proposing);
                     return; // raft shut down
                 }
                 let m = metrics.borrow().clone();
@@ -69,12 +59,12 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                 match (leading, leading_term) {
                     (true, Some(term)) if term == m.current_term => {}
                     (true, _) => {
-                        stop_proposing(&mut proposing);
+                        proposing = None;
                         leading_term = Some(m.current_term);
                         become_leader(&node, m.current_term);
                     }
                     (false, Some(_)) => {
-                        stop_proposing(&mut proposing);
+                        proposing = None;
                         leading_term = None;
                         *node.leases.lock().expect("lease lock poisoned") = None;
                         tracing::info!(node = node.config.id, "no longer the leader");
@@ -138,10 +128,12 @@ fn become_leader(node: &Arc<Node>, term: u64) {
         let applied = node.state.read().expect("state lock poisoned");
         // Before the cluster is configured there are no sessions; the configuration this node
         // proposes (or another leader's, applied later) sets the TTL when it is applied.
-        let ttl = applied.state.config().map_or(flag_ttl, |c| Duration::from_millis(c.lease_ttl_ms));
+        let config = applied.state.config();
+        let ttl = config.map_or(flag_ttl, |c| Duration::from_millis(c.lease_ttl_ms));
         let mut table = LeaseTable::new(ttl);
         table.reset(now, &applied.state);
-        *node.leases.lock().expect("lease lock poisoned") = Some(Leadership { term, table });
+        let leadership = Leadership { term, table, configured: config.is_some() };
+        *node.leases.lock().expect("lease lock poisoned") = Some(leadership);
         applied.state.config()
     };
     tracing::info!(node = node.config.id, term, "became the leader; every lease runs one TTL from now");
@@ -193,12 +185,18 @@ fn observe(node: &Node, applied: &AppliedEvent) {
         };
         metrics::counter!(name, "node" => id.clone()).increment(1);
     }
-    let ttl = cluster_ttl(node);
+    // Until the configuration is applied (once per cluster, before any session), each applied
+    // batch looks for it. The state is read before the lease lock is taken, as everywhere else.
+    let unconfigured =
+        node.leases.lock().expect("lease lock poisoned").as_ref().is_some_and(|l| !l.configured);
+    let config =
+        if unconfigured { node.state.read().expect("state lock poisoned").state.config() } else { None };
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
-        if let Some(ttl) = ttl.filter(|t| *t != leadership.table.ttl()) {
-            tracing::info!(ttl_ms = ttl.as_millis() as u64, "leases follow the cluster's lease TTL");
-            leadership.table.set_ttl(ttl);
+        if let (false, Some(config)) = (leadership.configured, config) {
+            tracing::info!(ttl_ms = config.lease_ttl_ms, "leases follow the cluster's lease TTL");
+            leadership.table.set_ttl(Duration::from_millis(config.lease_ttl_ms));
+            leadership.configured = true;
         }
         for latency in leadership.table.observe(Instant::now(), &applied.events) {
             metrics::histogram!("tenure_move_latency_seconds").record(latency.as_secs_f64());

@@ -329,7 +329,7 @@ impl Shared {
                     if let Some(old) = held.remove(&partition) {
                         self.terminate(partition, old, LostReason::Expired);
                     }
-                    let h = self.held(token, Some(valid_until), None);
+                    let h = self.start_holding(token, Some(valid_until), None);
                     let cancel = h.cancel.clone();
                     held.insert(partition, h);
                     self.assigned(partition, token, cancel);
@@ -339,7 +339,12 @@ impl Shared {
     }
 
     /// A grant as this worker starts to hold it; its cancellation is a child of the session's.
-    fn held(&self, token: FencingToken, valid_until: Option<Instant>, announced_at: Option<Instant>) -> Held {
+    fn start_holding(
+        &self,
+        token: FencingToken,
+        valid_until: Option<Instant>,
+        announced_at: Option<Instant>,
+    ) -> Held {
         Held { token, revoking: false, valid_until, announced_at, cancel: self.session_over.child_token() }
     }
 
@@ -423,7 +428,7 @@ impl Shared {
                 // A stream that was read before a release (its opening snapshot, say) may still
                 // announce the released grant: a grant given up is never taken back.
                 if current.is_none_or(|(t, _)| t < token) && !self.given_up(partition, token) {
-                    let announced = self.held(token, None, Some(Instant::now()));
+                    let announced = self.start_holding(token, None, Some(Instant::now()));
                     if let Some(old) = held.insert(partition, announced) {
                         self.terminate(partition, old, LostReason::Expired);
                     }
@@ -772,23 +777,17 @@ impl Worker {
         // Each partition this worker held is released under its grant's token, so a release
         // that arrives late cannot take a newer grant of the same partition; one it did not
         // hold (never confirmed, or already given up) goes without, as before.
-        let request = if !all && chosen.iter().all(|p| withdrawn.contains_key(p)) {
-            let tokens = chosen.iter().map(|p| withdrawn[p].0).collect();
-            proto::ReleaseRequest {
-                session_id: self.session.0,
-                secret: self.secret.clone(),
-                partitions,
-                all,
-                tokens,
-            }
+        let tokens = if !all && chosen.iter().all(|p| withdrawn.contains_key(p)) {
+            chosen.iter().map(|p| withdrawn[p].0).collect()
         } else {
-            proto::ReleaseRequest {
-                session_id: self.session.0,
-                secret: self.secret.clone(),
-                partitions,
-                all,
-                tokens: Vec::new(),
-            }
+            Vec::new()
+        };
+        let request = proto::ReleaseRequest {
+            session_id: self.session.0,
+            secret: self.secret.clone(),
+            partitions,
+            all,
+            tokens,
         };
         self.client
             .call(|mut c| {
@@ -1050,14 +1049,13 @@ mod tests {
     fn an_announced_partition_is_believed_only_after_a_heartbeat_sent_after_the_announcement() {
         let (s, mut rx) = shared();
         let before = Instant::now();
-        std::thread::sleep(Duration::from_millis(2));
         announce(&s, 1, 5);
-        // The answer to a heartbeat that left before the announcement confirms nothing.
+        // The answer to a heartbeat that left before (or at) the announcement confirms nothing;
+        // one that left after it does (a send instant just ahead stands for a later heartbeat).
         s.renewed(before, &lease(1, 5));
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), None);
-        std::thread::sleep(Duration::from_millis(2));
-        s.renewed(Instant::now(), &lease(1, 5));
+        s.renewed(Instant::now() + Duration::from_millis(1), &lease(1, 5));
         assert_eq!(assigned(&mut rx), 1);
     }
 
@@ -1070,8 +1068,7 @@ mod tests {
         // The ownership stream's snapshot, read before the release, announces grant 7 again,
         // and a later heartbeat's answer (sent before the release was applied) lists it.
         announce(&s, 2, 7);
-        std::thread::sleep(Duration::from_millis(2));
-        s.renewed(Instant::now(), &lease(2, 7));
+        s.renewed(Instant::now() + Duration::from_millis(1), &lease(2, 7));
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(2), FencingToken(7)), None);
     }
@@ -1096,8 +1093,9 @@ mod tests {
         // The library's own rule, on its own code: a zero margin, or a lease counted from the
         // answer's arrival, would each give another instant here.
         let (s, _rx) = shared();
-        let sent = Instant::now();
-        std::thread::sleep(Duration::from_millis(5)); // the answer arrives later
+        // Sent 100 ms before the answer is taken in: a lease counted from the answer would end
+        // 100 ms later than the rule says.
+        let Some(sent) = Instant::now().checked_sub(Duration::from_millis(100)) else { return };
         s.renewed(sent, &lease(1, 5));
         let want = sent + s.ttl - s.margin;
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(want));
