@@ -68,13 +68,46 @@ impl Due {
 #[derive(Debug)]
 pub struct LeaseTable {
     ttl: Duration,
+    /// Whether `ttl` is the cluster's replicated TTL yet (false only on a leader that took over
+    /// before the cluster's configuration was applied).
+    configured: bool,
     sessions: HashMap<SessionId, SessionLease>,
     revoking: HashMap<PartitionId, RevokingLease>,
 }
 
 impl LeaseTable {
     pub fn new(ttl: Duration) -> Self {
-        LeaseTable { ttl, sessions: HashMap::new(), revoking: HashMap::new() }
+        LeaseTable { ttl, configured: true, sessions: HashMap::new(), revoking: HashMap::new() }
+    }
+
+    /// The table a node starts a term of leadership with, at `now`: every lease one TTL from
+    /// now, judged by the cluster's replicated TTL. Before the cluster is configured (there are
+    /// no sessions yet) it starts from `proposed`, the value this node proposes, until
+    /// [`LeaseTable::adopt`] sees the configuration applied. A node's own setting never judges
+    /// a lease a worker was told about.
+    pub fn for_new_term(now: Instant, state: &OwnershipState, proposed: Duration) -> LeaseTable {
+        let config = state.config();
+        let mut table = LeaseTable::new(config.map_or(proposed, |c| Duration::from_millis(c.lease_ttl_ms)));
+        table.configured = config.is_some();
+        table.reset(now, state);
+        table
+    }
+
+    /// Whether the table runs on the cluster's replicated TTL.
+    pub fn configured(&self) -> bool {
+        self.configured
+    }
+
+    /// Takes the cluster's TTL from its applied configuration, once; returns whether it did now.
+    pub fn adopt(&mut self, config: Option<crate::ownership::Config>) -> bool {
+        match (self.configured, config) {
+            (false, Some(config)) => {
+                self.set_ttl(Duration::from_millis(config.lease_ttl_ms));
+                self.configured = true;
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn ttl(&self) -> Duration {

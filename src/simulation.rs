@@ -2,15 +2,22 @@
 //!
 //! The pieces that decide safety run for real: the ownership state machine ([`OwnershipState`]),
 //! the leader's lease table ([`LeaseTable`]), placement and the fencing rule ([`FenceTable`]).
+//! The worker's belief is the library's own [`Belief`], fed with the worker's drifting clock, so
+//! the model cannot drift from the library: a partition is believed until `t_send + ttl - margin`,
+//! an announced grant only after a heartbeat sent later confirms it, a grant given up never
+//! comes back, and a release, leave or drop withdraws belief before anything is sent.
 //! Around them everything that takes time is simulated from one seed, on one event queue: Raft
 //! (a proposal commits after a short delay if its leader is still in office; a crashed leader's
-//! uncommitted proposals are lost, a new one is elected after an election delay and restarts every
-//! lease), the network (each message is delayed or lost; a worker's link to the coordinator can
-//! be cut while its link to storage stays up; a write can sit in a buffer for seconds), and the
-//! workers, whose clocks drift. A worker follows the library's rules: it believes a partition
-//! until `t_send + ttl - margin` by its own clock, counted from when it sent the heartbeat that
-//! confirmed it; it stops believing when it sees a revoke and then releases; it raises the fence
-//! before it works (fence-before-resume). Workers freeze, crash and restart; the leader crashes.
+//! uncommitted proposals are lost, a new one is elected after an election delay and starts its
+//! lease table as a server does, [`LeaseTable::for_new_term`], sometimes with other flags than
+//! the cluster was created with), the network (each message is delayed or lost; a worker's link
+//! to the coordinator can be cut while its link to storage stays up; a write can sit in a buffer
+//! for seconds), and the workers, whose clocks drift. Workers raise the fence before they work
+//! (fence-before-resume), release when revoked, and also do what applications do on their own:
+//! release a partition of their own accord, leave gracefully, get dropped, crash and come back
+//! under the same name, freeze. After the run, two more replicas replay the committed log (one of
+//! them through a snapshot in the real format, midway), and the final table is read from one of
+//! them, not from the state that produced the log.
 //!
 //! The run records the same [`History`] as the nemesis and is judged by the same checker.
 //! Everything derives from the seed, so a failing seed replays exactly. What is *not* simulated
@@ -18,10 +25,11 @@
 //! (`crate::nemesis`) runs those for real.
 
 use crate::fence::FenceTable;
-use crate::history::{self, Committed, Fault, History, StoreRecord, WorkerOp, WorkerRecord};
+use crate::history::{self, Committed, Fault, History, Resumed, StoreRecord, WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::lease::LeaseTable;
 use crate::ownership::{Command, Event, OwnershipState, Response};
+use crate::worker::{Belief, Change, End};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet};
@@ -56,6 +64,9 @@ pub struct SimConfig {
     /// A deliberate bug for the checker to catch: count the lease from when the reply arrived
     /// rather than from when the heartbeat was sent.
     pub lease_from_reply: bool,
+    /// A deliberate bug for the checker to catch (the library's order before it was fixed): a
+    /// release is sent first and belief withdrawn only when its answer arrives.
+    pub release_before_withdraw: bool,
 }
 
 impl SimConfig {
@@ -72,6 +83,7 @@ impl SimConfig {
             drift: 0.02,
             fencing: true,
             lease_from_reply: false,
+            release_before_withdraw: false,
         }
     }
 
@@ -92,6 +104,8 @@ const EXPIRY_CHECK: Micros = 20 * MS;
 const WRITE_EVERY: Micros = 25 * MS;
 /// A join with no answer is sent again after this, as the library's bounded retries do.
 const JOIN_RETRY: Micros = 300 * MS;
+/// How many kinds of fault [`Sim::inject`] knows.
+const FAULT_KINDS: u32 = 8;
 
 #[derive(Clone, Debug)]
 enum Ev {
@@ -134,6 +148,12 @@ enum Ev {
         session: SessionId,
         life: u64,
     },
+    /// The answer to a release (only waited for by the planted `release_before_withdraw` bug).
+    ReleaseReply {
+        w: usize,
+        session: SessionId,
+        partitions: Vec<PartitionId>,
+    },
     HeartbeatReply {
         w: usize,
         session: SessionId,
@@ -169,22 +189,12 @@ enum Ev {
     },
 }
 
-#[derive(Clone, Debug)]
-struct Held {
-    token: FencingToken,
-    revoking: bool,
-    /// By the worker's own clock; `None` until a heartbeat confirms it.
-    valid_until_local: Option<Micros>,
-}
-
 struct SimWorker {
     name: String,
     rate: f64,
     session: Option<SessionId>,
-    held: BTreeMap<PartitionId, Held>,
-    /// Grants it gave up: (token, when by its clock, whether a renewal sent later may bring it
-    /// back), as the library keeps them.
-    retired: BTreeMap<PartitionId, (FencingToken, Micros, bool)>,
+    /// The library's belief, on this worker's clock.
+    belief: Belief,
     /// Bumped on every crash, so timers of a previous life are ignored.
     life: u64,
     alive: bool,
@@ -204,15 +214,8 @@ impl SimWorker {
     fn true_of(&self, local: Micros) -> Micros {
         (local as f64 / self.rate).ceil() as Micros
     }
-    /// Stops holding `p`, remembering the grant as the library does.
-    fn drop_held(&mut self, p: PartitionId, now_local: Micros, may_return: bool) -> Option<Held> {
-        let h = self.held.remove(&p)?;
-        self.retired.insert(p, (h.token, now_local, may_return && !h.revoking));
-        Some(h)
-    }
-
-    fn believes(&self, p: PartitionId, now_local: Micros) -> Option<&Held> {
-        self.held.get(&p).filter(|h| !h.revoking && h.valid_until_local.is_some_and(|v| v > now_local))
+    fn secret(&self) -> String {
+        format!("{}-{}", self.name, self.life)
     }
 }
 
@@ -229,6 +232,11 @@ struct Sim {
     epoch: u64,
     leader_up: bool,
     leases: LeaseTable,
+    /// The TTL the next elected leader was started with (its flags), which may differ from the
+    /// cluster's.
+    next_leader_ttl: Duration,
+    /// The committed commands, for the replicas that replay them after the run.
+    log: Vec<(u64, Command)>,
     // Workers and store.
     workers: Vec<SimWorker>,
     fences: FenceTable,
@@ -271,6 +279,16 @@ impl Sim {
         self.base + Duration::from_micros(t)
     }
 
+    /// Worker `w`'s monotonic clock at true time `t`, as [`Belief`] takes instants.
+    fn clock(&self, w: usize, t: Micros) -> Instant {
+        self.base + Duration::from_micros(self.workers[w].local(t))
+    }
+
+    /// The first true time at which worker `w`'s clock reads `at`.
+    fn true_at(&self, w: usize, at: Instant) -> Micros {
+        self.workers[w].true_of(at.duration_since(self.base).as_micros() as Micros)
+    }
+
     fn record(
         &mut self,
         w: usize,
@@ -309,7 +327,7 @@ impl Sim {
         let mut faults = Vec::new();
         while t < self.config.fault_ms * MS {
             let w = self.rng.random_range(0..self.workers.len());
-            let kind = self.rng.random_range(0..4);
+            let kind = self.rng.random_range(0..FAULT_KINDS);
             let length = self.rng.random_range(ttl / 2..=3 * ttl);
             faults.push((t, kind, w, length));
             t += length + self.rng.random_range(300 * MS..1500 * MS);
@@ -343,6 +361,7 @@ impl Sim {
 
     fn inject(&mut self, kind: u32, w: usize, length: Micros) {
         let start_ns = self.now * 1000;
+        let joined = self.workers[w].alive && !self.workers[w].frozen && self.workers[w].session.is_some();
         let what = match kind {
             0 if self.workers[w].alive && !self.workers[w].frozen => {
                 self.workers[w].frozen = true;
@@ -350,14 +369,12 @@ impl Sim {
                 format!("freeze {} for {} ms", self.workers[w].name, length / MS)
             }
             1 if self.workers[w].alive => {
-                let worker = &mut self.workers[w];
-                worker.alive = false;
-                worker.frozen = false;
-                worker.inbox.clear();
-                worker.held.clear();
-                worker.life += 1;
-                self.at(length, Ev::Restart { w });
-                format!("crash {} for {} ms", self.workers[w].name, length / MS)
+                self.stop_worker(w, length);
+                format!(
+                    "crash {} for {} ms, then restart it under the same name",
+                    self.workers[w].name,
+                    length / MS
+                )
             }
             2 if !self.workers[w].cut => {
                 self.workers[w].cut = true;
@@ -368,9 +385,144 @@ impl Sim {
                 self.at(0, Ev::LeaderCrash);
                 "leader crash".to_string()
             }
+            4 if self.leader_up => {
+                // The next leader runs on flags other than the cluster's: a quarter to four
+                // times its TTL.
+                let ttl_ms = self.config.lease_ttl_ms;
+                let flag_ms = self.rng.random_range(ttl_ms / 4..=ttl_ms * 4);
+                self.next_leader_ttl = Duration::from_millis(flag_ms);
+                self.at(0, Ev::LeaderCrash);
+                format!("leader crash; the next leader runs with other flags (a {flag_ms} ms lease TTL)")
+            }
+            5 if joined => {
+                // Of its own accord, not after a revoke: one or two believed partitions.
+                let now = self.clock(w, self.now);
+                let believed: Vec<PartitionId> = self.workers[w]
+                    .belief
+                    .held()
+                    .filter(|(_, h)| h.believed_at(now))
+                    .map(|(p, _)| p)
+                    .collect();
+                if believed.is_empty() {
+                    return;
+                }
+                let n = self.rng.random_range(1..=believed.len().min(2));
+                let first = self.rng.random_range(0..=believed.len() - n);
+                let chosen = believed[first..first + n].to_vec();
+                self.release(w, &chosen);
+                format!("{} releases {:?} of its own accord", self.workers[w].name, chosen)
+            }
+            6 if joined => {
+                self.leave(w, true, length);
+                format!("{} leaves gracefully and comes back after {} ms", self.workers[w].name, length / MS)
+            }
+            7 if joined => {
+                // Dropped: belief ends at once; the leave it spawns may never be sent.
+                let sent = self.rng.random_bool(0.5);
+                self.leave(w, sent, length);
+                format!(
+                    "{} is dropped (its leave {}sent) and comes back after {} ms",
+                    self.workers[w].name,
+                    if sent { "" } else { "never " },
+                    length / MS
+                )
+            }
             _ => return,
         };
         self.history.faults.push(Fault { what, start_ns, healed_ns: (self.now + length) * 1000 });
+    }
+
+    /// The process stops (a crash, or an exit after leaving) and starts again after `length`.
+    fn stop_worker(&mut self, w: usize, length: Micros) {
+        let worker = &mut self.workers[w];
+        worker.alive = false;
+        worker.frozen = false;
+        worker.inbox.clear();
+        worker.life += 1;
+        self.at(length, Ev::Restart { w });
+    }
+
+    /// The library's release: belief in `partitions` ends first (their handles are cancelled,
+    /// `Released` reported), then the coordinator is told, naming each grant's token.
+    fn release(&mut self, w: usize, partitions: &[PartitionId]) {
+        let Some(session) = self.workers[w].session else { return };
+        let secret = self.workers[w].secret();
+        let (partitions, tokens): (Vec<PartitionId>, Vec<FencingToken>) =
+            if self.config.release_before_withdraw {
+                let held: BTreeMap<PartitionId, FencingToken> =
+                    self.workers[w].belief.held().map(|(p, h)| (p, h.token)).collect();
+                partitions.iter().filter_map(|p| held.get(p).map(|t| (*p, *t))).unzip()
+            } else {
+                let now = self.clock(w, self.now);
+                let (withdrawn, changes) = self.workers[w].belief.withdraw(Some(partitions), now);
+                self.changes(w, changes);
+                withdrawn.into_iter().unzip()
+            };
+        if partitions.is_empty() {
+            return;
+        }
+        self.send(
+            w,
+            Ev::Propose { command: Command::Release { session, secret, partitions, tokens }, from: Some(w) },
+        );
+    }
+
+    /// A graceful leave (or a drop, whose leave may never be sent): belief in everything ends,
+    /// the session is left and its partitions released, and the process exits; it comes back
+    /// under the same name after `length`.
+    fn leave(&mut self, w: usize, tell: bool, length: Micros) {
+        let Some(session) = self.workers[w].session else { return };
+        let now = self.clock(w, self.now);
+        let (_, changes) = self.workers[w].belief.withdraw(None, now);
+        self.changes(w, changes);
+        if tell {
+            let secret = self.workers[w].secret();
+            let leave = Command::Leave { session, secret: secret.clone() };
+            self.send(w, Ev::Propose { command: leave, from: Some(w) });
+            self.send(w, Ev::Propose { command: Command::ReleaseAll { session, secret }, from: Some(w) });
+        }
+        self.stop_worker(w, length);
+    }
+
+    /// Acts on what a step of the worker's belief changed, as the library and an application
+    /// on top of it do, and records it.
+    fn changes(&mut self, w: usize, changes: Vec<Change>) {
+        let session = self.workers[w].session.unwrap_or(SessionId(0));
+        for change in changes {
+            match change {
+                Change::Announced { .. } => {
+                    // The library sends a heartbeat at once to confirm it.
+                    let sent_local = self.workers[w].local(self.now);
+                    self.send(w, Ev::HeartbeatArrives { w, session, sent_local });
+                }
+                Change::Assigned { partition, token, valid_until } => {
+                    // Fence before resume, then work.
+                    let believed = Some(self.true_at(w, valid_until));
+                    self.record(w, partition, token, WorkerOp::Acquired, self.now, believed);
+                    self.store_send(w, session, partition, token, believed);
+                }
+                Change::Revoking { partition, token } => {
+                    self.record(w, partition, token, WorkerOp::Revoked, self.now, None);
+                    // The application finishes at once and releases.
+                    self.release(w, &[partition]);
+                }
+                Change::Ended { partition, token, end } => {
+                    let op = if end == End::Released { WorkerOp::Released } else { WorkerOp::Lost };
+                    self.record(w, partition, token, op, self.now, None);
+                }
+                Change::Unreleased { partition, token } => {
+                    // As the library does: the release is sent again.
+                    let secret = self.workers[w].secret();
+                    let command = Command::Release {
+                        session,
+                        secret,
+                        partitions: vec![partition],
+                        tokens: vec![token],
+                    };
+                    self.send(w, Ev::Propose { command, from: Some(w) });
+                }
+            }
+        }
     }
 
     fn propose_now(&mut self, command: Command) {
@@ -384,6 +536,7 @@ impl Sim {
             Ev::Tick { w, .. }
             | Ev::WriteTick { w, .. }
             | Ev::JoinReply { w, .. }
+            | Ev::ReleaseReply { w, .. }
             | Ev::HeartbeatReply { w, .. }
             | Ev::SessionGone { w, .. }
             | Ev::Stream { w, .. } => Some(*w),
@@ -463,18 +616,18 @@ impl Sim {
             Ev::LeaderElected => {
                 self.epoch += 1;
                 self.leader_up = true;
+                // As a server taking over does, whatever its own flags say.
                 let now = self.instant(self.now);
-                self.leases.reset(now, &self.state);
+                self.leases = LeaseTable::for_new_term(now, &self.state, self.next_leader_ttl);
+                self.next_leader_ttl = Duration::from_millis(self.config.lease_ttl_ms);
             }
             Ev::Restart { w } => {
                 let worker = &mut self.workers[w];
                 worker.alive = true;
                 worker.session = None;
-                worker.held.clear();
-                worker.retired.clear();
+                worker.belief = Belief::new(worker.belief.ttl(), worker.belief.margin());
                 worker.joining_since = self.now;
-                let name = worker.name.clone();
-                let secret = format!("{}-{}", name, worker.life);
+                let (name, secret) = (worker.name.clone(), worker.secret());
                 self.send(
                     w,
                     Ev::Propose { command: Command::Join { name, weight: 1, secret }, from: Some(w) },
@@ -488,7 +641,7 @@ impl Sim {
                 worker.frozen = false;
                 // Awake, with the tokens it had: one write each, without a look at the lease.
                 let held: Vec<(PartitionId, FencingToken)> =
-                    worker.held.iter().map(|(p, h)| (*p, h.token)).collect();
+                    worker.belief.held().map(|(p, h)| (p, h.token)).collect();
                 let session = worker.session.unwrap_or(SessionId(0));
                 for (p, token) in held {
                     self.store_send(w, session, p, token, None);
@@ -505,60 +658,33 @@ impl Sim {
                     self.at(0, Ev::WriteTick { w, life });
                 }
             }
+            Ev::ReleaseReply { w, session, partitions } => {
+                if self.workers[w].session == Some(session) {
+                    let now = self.clock(w, self.now);
+                    let (_, changes) = self.workers[w].belief.withdraw(Some(&partitions), now);
+                    self.changes(w, changes);
+                }
+            }
             Ev::Tick { w, life } => self.tick(w, life),
             Ev::WriteTick { w, life } => self.write_tick(w, life),
             Ev::HeartbeatReply { w, session, sent_local, renewed } => {
                 if self.workers[w].session != Some(session) {
                     return;
                 }
-                let margin = self.config.ttl() / 5;
-                let counted_from =
-                    if self.config.lease_from_reply { self.workers[w].local(self.now) } else { sent_local };
-                let until_local = counted_from + self.config.ttl() - margin;
-                if until_local <= self.workers[w].local(self.now) {
-                    return; // it took so long that it confirms nothing any more
-                }
-                for (p, token) in renewed {
-                    let worker = &mut self.workers[w];
-                    let first = match worker.held.get_mut(&p) {
-                        Some(h) if h.token == token => {
-                            if h.revoking {
-                                continue;
-                            }
-                            let first = h.valid_until_local.is_none();
-                            h.valid_until_local = Some(h.valid_until_local.unwrap_or(0).max(until_local));
-                            first
-                        }
-                        Some(h) if h.token > token => continue,
-                        _ => {
-                            if let Some(&(retired, at_local, may_return)) = worker.retired.get(&p) {
-                                let comes_back = may_return && retired == token && sent_local > at_local;
-                                if token < retired || (token == retired && !comes_back) {
-                                    continue; // an answer about a grant it already gave up
-                                }
-                            }
-                            worker.held.insert(
-                                p,
-                                Held { token, revoking: false, valid_until_local: Some(until_local) },
-                            );
-                            true
-                        }
-                    };
-                    if first {
-                        // Fence before resume, then work.
-                        let believed = Some(self.workers[w].true_of(until_local));
-                        self.record(w, p, token, WorkerOp::Acquired, self.now, believed);
-                        self.store_send(w, session, p, token, believed);
-                    }
-                }
+                let now = self.clock(w, self.now);
+                let sent = if self.config.lease_from_reply {
+                    now
+                } else {
+                    self.base + Duration::from_micros(sent_local)
+                };
+                let changes = self.workers[w].belief.renewed(sent, now, renewed);
+                self.changes(w, changes);
             }
             Ev::SessionGone { w, session } => {
                 if self.workers[w].session == Some(session) {
-                    let held: Vec<(PartitionId, Held)> =
-                        std::mem::take(&mut self.workers[w].held).into_iter().collect();
-                    for (p, h) in held {
-                        self.record(w, p, h.token, WorkerOp::Lost, self.now, None);
-                    }
+                    let now = self.clock(w, self.now);
+                    let changes = self.workers[w].belief.end_session(now);
+                    self.changes(w, changes);
                     // Start a new session, as a worker does when its session ended.
                     self.workers[w].life += 1;
                     self.at(0, Ev::Restart { w });
@@ -579,15 +705,10 @@ impl Sim {
                     end_ns: self.now * 1000,
                     believed_until_ns: believed.map(|b| b * 1000),
                 });
-                if !accepted {
-                    let worker = &mut self.workers[w];
-                    if worker.session == Some(session)
-                        && worker.held.get(&p).is_some_and(|h| h.token <= token)
-                    {
-                        let now_local = worker.local(self.now);
-                        worker.drop_held(p, now_local, false);
-                        self.record(w, p, token, WorkerOp::Lost, self.now, None);
-                    }
+                if !accepted && self.workers[w].alive && self.workers[w].session == Some(session) {
+                    let now = self.clock(w, self.now);
+                    let changes = self.workers[w].belief.fenced(p, token, now);
+                    self.changes(w, changes);
                 }
             }
         }
@@ -599,7 +720,10 @@ impl Sim {
         }
         self.index += 1;
         let (response, events) = self.state.apply(self.index, &command);
+        self.log.push((self.index, command.clone()));
         let now = self.instant(self.now);
+        // As the server's leader does after each applied entry.
+        self.leases.adopt(self.state.config());
         self.leases.observe(now, &events);
         for event in &events {
             let Some((partition, session, token, decision)) = event.decision() else { continue };
@@ -617,9 +741,15 @@ impl Sim {
                 self.send(w, Ev::Stream { w, session, event: event.clone() });
             }
         }
-        if let (Some(w), Response::Joined { session, .. }) = (from, &response) {
-            let life = self.workers[w].life;
-            self.send(w, Ev::JoinReply { w, session: *session, life });
+        match (from, &response, command) {
+            (Some(w), Response::Joined { session, .. }, _) => {
+                let life = self.workers[w].life;
+                self.send(w, Ev::JoinReply { w, session: *session, life });
+            }
+            (Some(w), Response::Released { .. }, Command::Release { session, partitions, .. }) => {
+                self.send(w, Ev::ReleaseReply { w, session, partitions });
+            }
+            _ => {}
         }
     }
 
@@ -633,7 +763,7 @@ impl Sim {
         let Some(session) = worker.session else {
             // Still joining: ask again if the join or its reply seems lost.
             if self.now.saturating_sub(worker.joining_since) > JOIN_RETRY {
-                let (name, secret) = (worker.name.clone(), format!("{}-{}", worker.name, worker.life));
+                let (name, secret) = (worker.name.clone(), worker.secret());
                 self.workers[w].joining_since = self.now;
                 self.send(
                     w,
@@ -643,18 +773,11 @@ impl Sim {
             return;
         };
         // Drop what the local clock says has run out.
-        let now_local = worker.local(self.now);
-        let expired: Vec<(PartitionId, FencingToken)> = worker
-            .held
-            .iter()
-            .filter(|(_, h)| h.valid_until_local.is_some_and(|v| v <= now_local))
-            .map(|(p, h)| (*p, h.token))
-            .collect();
-        for (p, token) in expired {
-            self.workers[w].drop_held(p, now_local, true);
-            self.record(w, p, token, WorkerOp::Lost, self.now, None);
-        }
-        self.send(w, Ev::HeartbeatArrives { w, session, sent_local: now_local });
+        let now = self.clock(w, self.now);
+        let changes = self.workers[w].belief.expire(now);
+        self.changes(w, changes);
+        let sent_local = self.workers[w].local(self.now);
+        self.send(w, Ev::HeartbeatArrives { w, session, sent_local });
     }
 
     fn write_tick(&mut self, w: usize, life: u64) {
@@ -662,23 +785,22 @@ impl Sim {
             return;
         }
         self.at(WRITE_EVERY, Ev::WriteTick { w, life });
-        let worker = &self.workers[w];
-        let Some(session) = worker.session else { return };
-        let now_local = worker.local(self.now);
-        let believed: Vec<(PartitionId, FencingToken, Micros)> = worker
-            .held
-            .keys()
-            .filter_map(|p| {
-                worker.believes(*p, now_local).map(|h| (*p, h.token, h.valid_until_local.unwrap_or(0)))
-            })
+        let Some(session) = self.workers[w].session else { return };
+        let now = self.clock(w, self.now);
+        let believed: Vec<(PartitionId, FencingToken, Instant)> = self.workers[w]
+            .belief
+            .held()
+            .filter(|(_, h)| h.believed_at(now))
+            .map(|(p, h)| (p, h.token, h.valid_until.expect("believed")))
             .collect();
-        for (p, token, until_local) in believed {
-            let until = self.workers[w].true_of(until_local);
+        for (p, token, until) in believed {
+            let until = self.true_at(w, until);
             self.store_send(w, session, p, token, Some(until));
         }
     }
 
-    /// A write on its way to the store: usually quick, sometimes stuck in a buffer for seconds.
+    /// A write on its way to the store: usually quick, sometimes stuck in a buffer (or behind
+    /// long work after the check) for seconds.
     fn store_send(
         &mut self,
         w: usize,
@@ -700,45 +822,16 @@ impl Sim {
         if self.workers[w].session != Some(session) {
             return;
         }
-        match event {
-            Event::Granted { partition, token, .. } => {
-                let worker = &mut self.workers[w];
-                if worker.held.get(&partition).is_none_or(|h| h.token < token) {
-                    worker.held.insert(partition, Held { token, revoking: false, valid_until_local: None });
-                    // The library sends a heartbeat at once to confirm it.
-                    let sent_local = worker.local(self.now);
-                    self.send(w, Ev::HeartbeatArrives { w, session, sent_local });
-                }
-            }
-            Event::Revoking { partition, token, .. } => {
-                let worker = &mut self.workers[w];
-                if let Some(h) = worker.held.get_mut(&partition).filter(|h| h.token == token && !h.revoking) {
-                    h.revoking = true;
-                    let believed = h.valid_until_local.is_some();
-                    if believed {
-                        self.record(w, partition, token, WorkerOp::Revoked, self.now, None);
-                    }
-                    let secret = format!("{}-{}", self.workers[w].name, self.workers[w].life);
-                    // As the library does: the release names the grant it gives back.
-                    let command = Command::Release {
-                        session,
-                        secret,
-                        partitions: vec![partition],
-                        tokens: vec![token],
-                    };
-                    self.send(w, Ev::Propose { command, from: Some(w) });
-                }
-            }
-            Event::Lost { partition, token, .. } | Event::Released { partition, token, .. } => {
-                let worker = &mut self.workers[w];
-                if worker.held.get(&partition).is_some_and(|h| h.token == token) {
-                    let now_local = worker.local(self.now);
-                    worker.drop_held(partition, now_local, false);
-                    self.record(w, partition, token, WorkerOp::Lost, self.now, None);
-                }
-            }
-            Event::SessionStarted { .. } | Event::SessionEnded { .. } => {}
-        }
+        let now = self.clock(w, self.now);
+        let belief = &mut self.workers[w].belief;
+        let changes = match event {
+            Event::Granted { partition, token, .. } => belief.announced(partition, token, now),
+            Event::Revoking { partition, token, .. } => belief.revoking(partition, token),
+            Event::Lost { partition, token, .. } => belief.lost(partition, token, now),
+            Event::Released { partition, token, .. } => belief.released(partition, token, now),
+            Event::SessionStarted { .. } | Event::SessionEnded { .. } => Vec::new(),
+        };
+        self.changes(w, changes);
     }
 
     /// Every partition owned by a live worker's session, nothing revoking, every worker
@@ -761,10 +854,10 @@ impl Sim {
         if self.state.partitions().iter().any(|r| r.revoking || !r.owner.is_some_and(|o| live.contains(&o))) {
             return false;
         }
-        self.workers.iter().all(|w| {
-            let now_local = w.local(self.now);
+        self.workers.iter().enumerate().all(|(i, w)| {
+            let now = self.clock(i, self.now);
             let believed: BTreeSet<PartitionId> =
-                w.held.keys().filter(|p| w.believes(**p, now_local).is_some()).copied().collect();
+                w.belief.held().filter(|(_, h)| h.believed_at(now)).map(|(p, _)| p).collect();
             let rows: BTreeSet<PartitionId> = w
                 .session
                 .map(|s| self.state.owned_by(s).into_iter().map(|(p, _)| p).collect())
@@ -773,8 +866,43 @@ impl Sim {
         })
     }
 
+    /// Two more replicas apply the committed log after the run, as followers would: node 2
+    /// entry by entry, node 3 up to the middle, then through a snapshot in the stored format,
+    /// then the rest. Their decisions join the history (without times: they are read back, not
+    /// watched), and the final table is node 2's.
+    fn replay_on_followers(&mut self) -> OwnershipState {
+        let mut follower = OwnershipState::default();
+        let mut lagging = OwnershipState::default();
+        let middle = self.log.len() / 2;
+        for (i, (index, command)) in self.log.iter().enumerate() {
+            if i == middle {
+                let data = crate::store::encode_table_snapshot(&lagging);
+                lagging = crate::store::decode_table_snapshot(&data).expect("the snapshot format reads back");
+                let installed = self.log[..i].last().map_or(0, |(index, _)| *index);
+                self.history.resumed.push(Resumed { node: 3, index: installed });
+            }
+            for (node, state) in [(2, &mut follower), (3, &mut lagging)] {
+                let (_, events) = state.apply(*index, command);
+                for event in &events {
+                    let Some((partition, session, token, decision)) = event.decision() else { continue };
+                    self.history.coordinator.push(Committed {
+                        node,
+                        index: *index,
+                        at_ns: 0,
+                        partition,
+                        session,
+                        token,
+                        decision,
+                    });
+                }
+            }
+        }
+        follower
+    }
+
     fn finish(mut self, recovered_ms: Option<u64>, events: u64) -> SimOutcome {
-        self.history.final_table = self.state.final_table();
+        let follower = self.replay_on_followers();
+        self.history.final_table = follower.final_table();
         self.history.live_sessions =
             self.workers.iter().filter_map(|w| w.session.map(|s| (w.name.clone(), s))).collect();
         self.history.recovered_after_ms = recovered_ms;
@@ -787,13 +915,13 @@ impl Sim {
 /// Runs one seed.
 pub fn simulate(config: &SimConfig) -> SimOutcome {
     let mut rng = StdRng::seed_from_u64(config.seed);
+    let ttl = Duration::from_millis(config.lease_ttl_ms);
     let workers = (0..config.workers)
         .map(|i| SimWorker {
             name: format!("w{}", i + 1),
             rate: 1.0 + rng.random_range(-config.drift..=config.drift),
             session: None,
-            held: BTreeMap::new(),
-            retired: BTreeMap::new(),
+            belief: Belief::new(ttl, ttl / 5),
             life: 0,
             alive: false,
             frozen: false,
@@ -813,7 +941,9 @@ pub fn simulate(config: &SimConfig) -> SimOutcome {
         index: 0,
         epoch: 1,
         leader_up: true,
-        leases: LeaseTable::new(Duration::from_millis(config.lease_ttl_ms)),
+        leases: LeaseTable::new(ttl),
+        next_leader_ttl: ttl,
+        log: Vec::new(),
         workers,
         fences: FenceTable::default(),
         history: History::new(config.partition_count, config.lease_ttl_ms),

@@ -105,6 +105,15 @@ pub struct StoreRecord {
     pub accepted: bool,
 }
 
+/// A point from which a replica's record may lack earlier entries on purpose: the replica
+/// installed a snapshot that covers the log up to `index`, or its recorder began following it
+/// when it had applied up to `index` already.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resumed {
+    pub node: u64,
+    pub index: u64,
+}
+
 /// A fault the run injected, and when it was healed.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fault {
@@ -136,6 +145,9 @@ pub struct History {
     /// What the recorders know they missed; a history with gaps is not complete evidence.
     #[serde(default)]
     pub gaps: Vec<String>,
+    /// Where each replica's record may skip entries it did not apply one by one.
+    #[serde(default)]
+    pub resumed: Vec<Resumed>,
     /// The sessions alive at the end, by worker name (equal weights).
     pub live_sessions: BTreeMap<String, SessionId>,
     /// From the last heal until every partition was owned by a live session and confirmed by

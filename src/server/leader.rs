@@ -10,7 +10,6 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -24,10 +23,8 @@ const MAX_RENEWAL_BATCH: usize = 16384;
 /// another leader acknowledged in between, and would expire sessions early.
 pub(crate) struct Leadership {
     pub term: u64,
+    /// On the replicated TTL (see [`LeaseTable::for_new_term`]).
     pub table: LeaseTable,
-    /// Whether the table runs on the replicated TTL yet (false only while the cluster's
-    /// configuration is not applied: the table then starts from the value this node proposes).
-    pub configured: bool,
 }
 
 /// Follows leadership, applied events and the clock; proposes configuration and expiries.
@@ -122,18 +119,10 @@ async fn propose_expiries(node: Arc<Node>, due: Due) {
 
 /// Starts a term of leadership: a fresh lease table, judged by the cluster's TTL.
 fn become_leader(node: &Arc<Node>, term: u64) {
-    let now = Instant::now();
-    let flag_ttl = node.config.lease_ttl;
     let configured = {
         let applied = node.state.read().expect("state lock poisoned");
-        // Before the cluster is configured there are no sessions; the configuration this node
-        // proposes (or another leader's, applied later) sets the TTL when it is applied.
-        let config = applied.state.config();
-        let ttl = config.map_or(flag_ttl, |c| Duration::from_millis(c.lease_ttl_ms));
-        let mut table = LeaseTable::new(ttl);
-        table.reset(now, &applied.state);
-        let leadership = Leadership { term, table, configured: config.is_some() };
-        *node.leases.lock().expect("lease lock poisoned") = Some(leadership);
+        let table = LeaseTable::for_new_term(Instant::now(), &applied.state, node.config.lease_ttl);
+        *node.leases.lock().expect("lease lock poisoned") = Some(Leadership { term, table });
         applied.state.config()
     };
     tracing::info!(node = node.config.id, term, "became the leader; every lease runs one TTL from now");
@@ -188,15 +177,16 @@ fn observe(node: &Node, applied: &AppliedEvent) {
     // Until the configuration is applied (once per cluster, before any session), each applied
     // batch looks for it. The state is read before the lease lock is taken, as everywhere else.
     let unconfigured =
-        node.leases.lock().expect("lease lock poisoned").as_ref().is_some_and(|l| !l.configured);
+        node.leases.lock().expect("lease lock poisoned").as_ref().is_some_and(|l| !l.table.configured());
     let config =
         if unconfigured { node.state.read().expect("state lock poisoned").state.config() } else { None };
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
-        if let (false, Some(config)) = (leadership.configured, config) {
-            tracing::info!(ttl_ms = config.lease_ttl_ms, "leases follow the cluster's lease TTL");
-            leadership.table.set_ttl(Duration::from_millis(config.lease_ttl_ms));
-            leadership.configured = true;
+        if leadership.table.adopt(config) {
+            tracing::info!(
+                ttl_ms = leadership.table.ttl().as_millis() as u64,
+                "leases follow the cluster's lease TTL"
+            );
         }
         for latency in leadership.table.observe(Instant::now(), &applied.events) {
             metrics::histogram!("tenure_move_latency_seconds").record(latency.as_secs_f64());

@@ -86,6 +86,11 @@ pub fn encode_table_snapshot(state: &OwnershipState) -> Vec<u8> {
     encode_snapshot(&payload)
 }
 
+/// The table a snapshot's data carries, read as a node installing it would.
+pub fn decode_table_snapshot(data: &[u8]) -> Result<OwnershipState, SnapshotFormatError> {
+    decode_snapshot(data).map(|payload| payload.state)
+}
+
 fn decode_snapshot(data: &[u8]) -> Result<SnapshotPayload, SnapshotFormatError> {
     match data.split_first() {
         None => Err(SnapshotFormatError::Empty),

@@ -28,8 +28,11 @@
 //! # Ok(()) }
 //! ```
 
+mod belief;
 mod client;
 mod router;
+
+pub use belief::{Belief, Change, End, Held, LostReason};
 
 pub use client::{Client, ClientError};
 pub use router::{Route, Router};
@@ -106,33 +109,6 @@ impl WorkerConfig {
     }
 }
 
-/// Why a partition was lost, as carried by [`WorkerEvent::Lost`].
-///
-/// ```
-/// use tenure::worker::LostReason;
-/// fn describe(reason: LostReason) -> &'static str {
-///     match reason {
-///         LostReason::DeadlineExpired => "no renewal was confirmed in time",
-///         LostReason::Expired => "the coordinator expired the lease",
-///         LostReason::Fenced => "storage has seen a newer owner",
-///         LostReason::SessionEnded => "the session is over",
-///     }
-/// }
-/// assert_eq!(describe(LostReason::Fenced), "storage has seen a newer owner");
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LostReason {
-    /// The local lease ran out before a renewal confirmed it (coordinator unreachable, or a
-    /// revoking partition not released in time).
-    DeadlineExpired,
-    /// The coordinator took it away (its lease expired there).
-    Expired,
-    /// The fenced store saw a newer owner: this worker's token is stale.
-    Fenced,
-    /// The session itself ended.
-    SessionEnded,
-}
-
 /// What the application is told, in order. Every [`WorkerEvent::Assigned`] is followed, sooner
 /// or later, by exactly one terminal event for the same partition and token: `Lost` or
 /// `Released`.
@@ -163,33 +139,6 @@ pub enum WorkerEvent {
     Released { partition: PartitionId, token: FencingToken },
     /// The session is over; every partition was reported lost or released before this.
     SessionEnded { reason: String },
-}
-
-/// A partition this worker has been told about.
-#[derive(Clone, Debug)]
-struct Held {
-    token: FencingToken,
-    revoking: bool,
-    /// `None` until a renewal confirms it.
-    valid_until: Option<Instant>,
-    /// When the ownership stream announced it, if that is how it was first heard of: only a
-    /// heartbeat sent after this instant may confirm it.
-    announced_at: Option<Instant>,
-    /// Fires on revoke, loss or release, and when the session ends or the worker is dropped
-    /// (a child of the session's token).
-    cancel: CancellationToken,
-}
-
-/// A grant this worker no longer holds.
-#[derive(Clone, Copy, Debug)]
-struct Retired {
-    token: FencingToken,
-    /// When it was dropped.
-    at: Instant,
-    /// Only a lease that ran out locally (the coordinator may still count it ours) may come
-    /// back, and only through a heartbeat sent after it was dropped. A released, revoked, lost
-    /// or fenced grant never does: the coordinator may already have given it to someone else.
-    may_return: bool,
 }
 
 /// The worker's end of a `Heartbeats` stream to the leader.
@@ -252,17 +201,22 @@ impl HeartbeatStream {
     }
 }
 
+/// What the session believes, and the cancellation of each handle given to the application.
+struct Local {
+    belief: Belief,
+    /// The cancellation of each confirmed grant's handles, a child of the session's token.
+    handles: BTreeMap<PartitionId, (FencingToken, CancellationToken)>,
+}
+
 pub(crate) struct Shared {
-    held: Mutex<BTreeMap<PartitionId, Held>>,
-    /// The last grant of each partition this worker stopped holding, so that a renewal answer
-    /// that was already on its way cannot bring it back (locked after `held`).
-    retired: Mutex<BTreeMap<PartitionId, Retired>>,
+    /// One lock for belief and handles, held while the changes are reported, so the application
+    /// sees every partition's events in the order they happened.
+    local: Mutex<Local>,
     // Unbounded on purpose: the background tasks must never wait for the application. The number
     // of pending events is bounded by partitions times transitions.
     events: mpsc::UnboundedSender<WorkerEvent>,
     keyspace: KeySpace,
     ttl: Duration,
-    margin: Duration,
     kick: Notify,
     /// Raised when a lease was confirmed for the first time: the deadline task looks again.
     confirmed: Notify,
@@ -275,6 +229,25 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    fn new(
+        belief: Belief,
+        keyspace: KeySpace,
+        events: mpsc::UnboundedSender<WorkerEvent>,
+        session_over: CancellationToken,
+    ) -> Shared {
+        Shared {
+            ttl: belief.ttl(),
+            local: Mutex::new(Local { belief, handles: BTreeMap::new() }),
+            events,
+            keyspace,
+            kick: Notify::new(),
+            confirmed: Notify::new(),
+            moved: Notify::new(),
+            watching: Mutex::new(None),
+            session_over,
+        }
+    }
+
     fn emit(&self, event: WorkerEvent) {
         let _ = self.events.send(event);
     }
@@ -292,206 +265,114 @@ impl Shared {
         }
     }
 
-    fn renewed(self: &Arc<Self>, sent: Instant, renewed: &[proto::PartitionLease]) {
-        let valid_until = sent + self.ttl.saturating_sub(self.margin);
-        if valid_until <= Instant::now() {
-            return; // an answer that took so long (a pause) that it confirms nothing any more
-        }
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        for lease in renewed {
-            let (partition, token) = (PartitionId(lease.partition), FencingToken(lease.token));
-            match held.get_mut(&partition) {
-                Some(h) if h.token == token => {
-                    if h.revoking {
-                        continue;
+    /// Runs one step of the belief rules and reports what it changed: events for the
+    /// application, cancelled handles, a kick for the heartbeat task.
+    fn step<T>(self: &Arc<Self>, f: impl FnOnce(&mut Belief, Instant) -> (T, Vec<Change>)) -> T {
+        let mut local = self.local.lock().expect("worker lock poisoned");
+        let (out, changes) = f(&mut local.belief, Instant::now());
+        for change in changes {
+            match change {
+                Change::Announced { .. } => self.kick.notify_one(),
+                Change::Unreleased { .. } => {} // returned by `renewed`
+                Change::Assigned { partition, token, .. } => {
+                    let cancel = self.session_over.child_token();
+                    if let Some((_, old)) = local.handles.insert(partition, (token, cancel.clone())) {
+                        old.cancel();
                     }
-                    if h.valid_until.is_none() && h.announced_at.is_some_and(|at| sent <= at) {
-                        // Announced after this heartbeat left: it confirms nothing about it.
-                        continue;
-                    }
-                    let first = h.valid_until.is_none();
-                    let until = h.valid_until.map_or(valid_until, |v| v.max(valid_until));
-                    h.valid_until = Some(until);
-                    if first {
-                        let cancel = h.cancel.clone();
-                        self.assigned(partition, token, cancel);
-                    }
+                    self.confirmed.notify_one();
+                    let range = self.keyspace.range(partition).unwrap_or(HashRange { start: 0, end: 0 });
+                    self.emit(WorkerEvent::Assigned(PartitionHandle {
+                        partition,
+                        token,
+                        range,
+                        cancel,
+                        shared: Arc::downgrade(self),
+                    }));
                 }
-                Some(h) if h.token > token => {}
-                _ => {
-                    let retired = self.retired.lock().expect("worker lock poisoned").get(&partition).copied();
-                    if let Some(r) = retired {
-                        let comes_back = r.may_return && r.token == token && sent > r.at;
-                        if token < r.token || (token == r.token && !comes_back) {
-                            continue; // an answer about a grant this worker already gave up
-                        }
+                Change::Revoking { partition, token } => {
+                    if let Some((_, cancel)) = local.handles.get(&partition).filter(|(t, _)| *t == token) {
+                        cancel.cancel();
                     }
-                    if let Some(old) = held.remove(&partition) {
-                        self.terminate(partition, old, LostReason::Expired);
+                    self.emit(WorkerEvent::Revoking { partition, token });
+                }
+                Change::Ended { partition, token, end } => {
+                    if local.handles.get(&partition).is_some_and(|(t, _)| *t == token) {
+                        let (_, cancel) = local.handles.remove(&partition).expect("present");
+                        cancel.cancel();
                     }
-                    let h = self.start_holding(token, Some(valid_until), None);
-                    let cancel = h.cancel.clone();
-                    held.insert(partition, h);
-                    self.assigned(partition, token, cancel);
+                    self.emit(match end {
+                        End::Released => WorkerEvent::Released { partition, token },
+                        End::Lost(reason) => WorkerEvent::Lost { partition, token, reason },
+                    });
                 }
             }
         }
+        out
     }
 
-    /// A grant as this worker starts to hold it; its cancellation is a child of the session's.
-    fn start_holding(
-        &self,
-        token: FencingToken,
-        valid_until: Option<Instant>,
-        announced_at: Option<Instant>,
-    ) -> Held {
-        Held { token, revoking: false, valid_until, announced_at, cancel: self.session_over.child_token() }
-    }
-
-    /// Whether `token` of `partition` was given up already and may not be held again (a
-    /// released, revoked, lost or fenced grant, or an older one).
-    fn given_up(&self, partition: PartitionId, token: FencingToken) -> bool {
-        let retired = self.retired.lock().expect("worker lock poisoned");
-        retired.get(&partition).is_some_and(|r| token < r.token || (token == r.token && !r.may_return))
+    /// Takes in a heartbeat's answer; returns the grants this worker withdrew that the
+    /// coordinator still renews (their release has to be sent again).
+    fn renewed(self: &Arc<Self>, sent: Instant, renewed: &[proto::PartitionLease]) -> Vec<(u32, u64)> {
+        let leases = renewed.iter().map(|l| (PartitionId(l.partition), FencingToken(l.token)));
+        self.step(|b, now| {
+            let changes = b.renewed(sent, now, leases);
+            let unreleased = changes
+                .iter()
+                .filter_map(|c| match c {
+                    Change::Unreleased { partition, token } => Some((partition.0, token.0)),
+                    _ => None,
+                })
+                .collect();
+            (unreleased, changes)
+        })
     }
 
     /// Stops believing in `partitions` (every held one when `None`) before the coordinator is
-    /// told they are given up: their handles are cancelled and retired and the application is
-    /// told `Released` now, because the entry that releases them may grant them to the next
-    /// owner at once. Returns what was withdrawn.
-    fn withdraw(&self, partitions: Option<&[PartitionId]>) -> BTreeMap<PartitionId, FencingToken> {
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        let chosen: Vec<PartitionId> = match partitions {
-            Some(list) => list.iter().copied().filter(|p| held.contains_key(p)).collect(),
-            None => held.keys().copied().collect(),
-        };
-        let mut withdrawn = BTreeMap::new();
-        for partition in chosen {
-            let h = held.remove(&partition).expect("present");
-            self.retire(partition, h.token, false);
-            h.cancel.cancel();
-            if h.valid_until.is_some() {
-                self.emit(WorkerEvent::Released { partition, token: h.token });
-            }
-            withdrawn.insert(partition, h.token);
-        }
-        withdrawn
+    /// told they are given up: their handles are cancelled and the application is told
+    /// `Released` now. Returns what was withdrawn.
+    fn withdraw(self: &Arc<Self>, partitions: Option<&[PartitionId]>) -> BTreeMap<PartitionId, FencingToken> {
+        self.step(|b, now| b.withdraw(partitions, now))
     }
 
-    fn assigned(self: &Arc<Self>, partition: PartitionId, token: FencingToken, cancel: CancellationToken) {
-        self.confirmed.notify_one();
-        let range = self.keyspace.range(partition).unwrap_or(HashRange { start: 0, end: 0 });
-        self.emit(WorkerEvent::Assigned(PartitionHandle {
-            partition,
-            token,
-            range,
-            cancel,
-            shared: Arc::downgrade(self),
-        }));
+    /// Drops the grant `token` of `partition` after a release.
+    #[cfg(test)]
+    fn released(self: &Arc<Self>, partition: PartitionId, token: FencingToken) {
+        self.step(|b, now| ((), b.released(partition, token, now)));
     }
 
-    fn retire(&self, partition: PartitionId, token: FencingToken, may_return: bool) {
-        let mut retired = self.retired.lock().expect("worker lock poisoned");
-        retired.insert(partition, Retired { token, at: Instant::now(), may_return });
-    }
-
-    /// Ends a removed partition: fires its cancellation and, if the application was told about
-    /// it, reports the loss.
-    fn terminate(&self, partition: PartitionId, h: Held, reason: LostReason) {
-        self.retire(partition, h.token, reason == LostReason::DeadlineExpired && !h.revoking);
-        h.cancel.cancel();
-        if h.valid_until.is_some() {
-            self.emit(WorkerEvent::Lost { partition, token: h.token, reason });
-        }
-    }
-
-    /// Drops the grant `token` of `partition` after a release. A later grant of the same
-    /// partition, which may have arrived on the stream before the release's answer, is kept.
-    fn released(&self, partition: PartitionId, token: FencingToken) {
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        if held.get(&partition).is_some_and(|h| h.token == token) {
-            let h = held.remove(&partition).expect("present");
-            self.retire(partition, h.token, false);
-            h.cancel.cancel();
-            if h.valid_until.is_some() {
-                self.emit(WorkerEvent::Released { partition, token: h.token });
-            }
-        }
-    }
-
-    fn streamed(&self, event: &proto::OwnershipEvent) {
+    fn streamed(self: &Arc<Self>, event: &proto::OwnershipEvent) {
         let (partition, token) = (PartitionId(event.partition), FencingToken(event.token));
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        let current = held.get(&partition).map(|h| (h.token, h.revoking));
-        match Kind::try_from(event.kind).unwrap_or(Kind::Unspecified) {
-            Kind::Assigned => {
-                // A stream that was read before a release (its opening snapshot, say) may still
-                // announce the released grant: a grant given up is never taken back.
-                if current.is_none_or(|(t, _)| t < token) && !self.given_up(partition, token) {
-                    let announced = self.start_holding(token, None, Some(Instant::now()));
-                    if let Some(old) = held.insert(partition, announced) {
-                        self.terminate(partition, old, LostReason::Expired);
-                    }
-                    self.kick.notify_one();
-                }
-            }
-            Kind::Revoking => {
-                if current == Some((token, false)) {
-                    let h = held.get_mut(&partition).expect("present");
-                    h.revoking = true;
-                    h.cancel.cancel();
-                    if h.valid_until.is_some() {
-                        self.emit(WorkerEvent::Revoking { partition, token });
-                    }
-                }
-            }
-            Kind::Lost => {
-                if current.is_some_and(|(t, _)| t <= token) {
-                    let h = held.remove(&partition).expect("present");
-                    self.terminate(partition, h, LostReason::Expired);
-                }
-            }
-            Kind::Released => {
-                if current.is_some_and(|(t, _)| t == token) {
-                    drop(held);
-                    self.released(partition, token);
-                }
-            }
-            Kind::Unspecified => {}
-        }
+        self.step(|b, now| {
+            let changes = match Kind::try_from(event.kind).unwrap_or(Kind::Unspecified) {
+                Kind::Assigned => b.announced(partition, token, now),
+                Kind::Revoking => b.revoking(partition, token),
+                Kind::Lost => b.lost(partition, token, now),
+                Kind::Released => b.released(partition, token, now),
+                Kind::Unspecified => Vec::new(),
+            };
+            ((), changes)
+        });
     }
 
     /// The fenced store rejected `token`: the partition is lost, whatever the lease says.
-    fn fenced_out(&self, partition: PartitionId, token: FencingToken) {
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        if held.get(&partition).is_some_and(|h| h.token <= token) {
-            let h = held.remove(&partition).expect("present");
-            self.terminate(partition, h, LostReason::Fenced);
-        }
+    fn fenced_out(self: &Arc<Self>, partition: PartitionId, token: FencingToken) {
+        self.step(|b, now| ((), b.fenced(partition, token, now)));
     }
 
     fn valid_until(&self, partition: PartitionId, token: FencingToken) -> Option<Instant> {
-        let held = self.held.lock().expect("worker lock poisoned");
-        held.get(&partition).filter(|h| h.token == token).and_then(|h| h.valid_until)
+        self.local.lock().expect("worker lock poisoned").belief.valid_until(partition, token)
     }
 
     /// Drops every partition whose local lease has run out; returns the next deadline.
-    fn check_deadlines(&self, now: Instant) -> Option<Instant> {
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        let expired: Vec<PartitionId> =
-            held.iter().filter(|(_, h)| h.valid_until.is_some_and(|v| v <= now)).map(|(p, _)| *p).collect();
-        for partition in expired {
-            let h = held.remove(&partition).expect("present");
-            self.terminate(partition, h, LostReason::DeadlineExpired);
-        }
-        held.values().filter_map(|h| h.valid_until).min()
+    fn check_deadlines(self: &Arc<Self>, now: Instant) -> Option<Instant> {
+        self.step(|b, _| {
+            let changes = b.expire(now);
+            (b.next_deadline(), changes)
+        })
     }
 
-    fn end_session(&self, reason: String) {
-        let mut held = self.held.lock().expect("worker lock poisoned");
-        for (partition, h) in std::mem::take(&mut *held) {
-            self.terminate(partition, h, LostReason::SessionEnded);
-        }
+    fn end_session(self: &Arc<Self>, reason: String) {
+        self.step(|b, now| ((), b.end_session(now)));
         self.emit(WorkerEvent::SessionEnded { reason });
         self.session_over.cancel();
     }
@@ -665,6 +546,17 @@ async fn leave_session(client: &Client, session: SessionId, secret: String) -> R
     }
 }
 
+/// Sends one release request (following the leader, with the client's bounded retries).
+async fn send_release_request(client: Client, request: proto::ReleaseRequest) -> Result<(), ClientError> {
+    client
+        .call(|mut c| {
+            let request = request.clone();
+            async move { c.release(request).await }
+        })
+        .await?;
+    Ok(())
+}
+
 impl Worker {
     /// Joins the cluster and starts heartbeating and watching.
     pub async fn join(config: WorkerConfig) -> Result<Worker, ClientError> {
@@ -695,19 +587,7 @@ impl Worker {
             KeySpace::new(joined.partition_count).map_err(|e| ClientError::Other(e.to_string()))?;
         let (tx, rx) = mpsc::unbounded_channel();
         let cancel = CancellationToken::new();
-        let shared = Arc::new(Shared {
-            held: Mutex::new(BTreeMap::new()),
-            retired: Mutex::new(BTreeMap::new()),
-            events: tx,
-            keyspace,
-            ttl,
-            margin,
-            kick: Notify::new(),
-            confirmed: Notify::new(),
-            moved: Notify::new(),
-            watching: Mutex::new(None),
-            session_over: cancel.child_token(),
-        });
+        let shared = Arc::new(Shared::new(Belief::new(ttl, margin), keyspace, tx, cancel.child_token()));
         let worker = Worker {
             client,
             session: SessionId(joined.session_id),
@@ -742,12 +622,7 @@ impl Worker {
 
     /// Partitions this worker believes it holds right now (confirmed and not past their deadline).
     pub fn owned(&self) -> BTreeMap<PartitionId, FencingToken> {
-        let now = Instant::now();
-        let held = self.shared.held.lock().expect("worker lock poisoned");
-        held.iter()
-            .filter(|(_, h)| h.valid_until.is_some_and(|v| v > now))
-            .map(|(p, h)| (*p, h.token))
-            .collect()
+        self.shared.local.lock().expect("worker lock poisoned").belief.owned(Instant::now())
     }
 
     /// Stops every background task without telling the coordinator, as a crash would: the
@@ -789,13 +664,7 @@ impl Worker {
             all,
             tokens,
         };
-        self.client
-            .call(|mut c| {
-                let request = request.clone();
-                async move { c.release(request).await }
-            })
-            .await?;
-        Ok(())
+        send_release_request(self.client.clone(), request).await
     }
 
     /// Leaves gracefully: this worker stops believing in every partition (each is reported
@@ -830,6 +699,11 @@ impl Worker {
             ..Default::default()
         };
         let patience = shared.ttl / 2;
+        let request_release = proto::ReleaseRequest {
+            session_id: self.session.0,
+            secret: self.secret.clone(),
+            ..Default::default()
+        };
         async move {
             let mut stream: Option<HeartbeatStream> = None;
             let mut retries = retry_pauses(every);
@@ -856,7 +730,15 @@ impl Worker {
                 });
                 let pause = match outcome {
                     Ok(renewed) => {
-                        shared.renewed(sent, &renewed);
+                        let unreleased = shared.renewed(sent, &renewed);
+                        if !unreleased.is_empty() {
+                            // A release that did not get through: sent again beside the
+                            // heartbeats, which must not wait for it.
+                            let (partitions, tokens) = unreleased.into_iter().unzip();
+                            let release =
+                                proto::ReleaseRequest { partitions, tokens, ..request_release.clone() };
+                            tokio::spawn(send_release_request(client.clone(), release));
+                        }
                         failing = false;
                         retries = retry_pauses(every);
                         if let Some(s) = &stream {
@@ -984,19 +866,8 @@ mod tests {
 
     fn shared() -> (Arc<Shared>, mpsc::UnboundedReceiver<WorkerEvent>) {
         let (tx, rx) = mpsc::unbounded_channel();
-        let shared = Arc::new(Shared {
-            held: Mutex::new(BTreeMap::new()),
-            retired: Mutex::new(BTreeMap::new()),
-            events: tx,
-            keyspace: KeySpace::new(4).unwrap(),
-            ttl: Duration::from_secs(1),
-            margin: Duration::from_millis(200),
-            kick: Notify::new(),
-            confirmed: Notify::new(),
-            moved: Notify::new(),
-            watching: Mutex::new(None),
-            session_over: CancellationToken::new(),
-        });
+        let belief = Belief::new(Duration::from_secs(1), Duration::from_millis(200));
+        let shared = Arc::new(Shared::new(belief, KeySpace::new(4).unwrap(), tx, CancellationToken::new()));
         (shared, rx)
     }
 
@@ -1040,7 +911,7 @@ mod tests {
         assert!(s.valid_until(PartitionId(1), FencingToken(18)).is_some());
     }
 
-    fn announce(s: &Shared, p: u32, token: u64) {
+    fn announce(s: &Arc<Shared>, p: u32, token: u64) {
         let kind = Kind::Assigned as i32;
         s.streamed(&proto::OwnershipEvent { kind, partition: p, token, ..Default::default() });
     }
@@ -1097,15 +968,19 @@ mod tests {
         // 100 ms later than the rule says.
         let Some(sent) = Instant::now().checked_sub(Duration::from_millis(100)) else { return };
         s.renewed(sent, &lease(1, 5));
-        let want = sent + s.ttl - s.margin;
+        let (ttl, margin) = {
+            let l = s.local.lock().unwrap();
+            (l.belief.ttl(), l.belief.margin())
+        };
+        let want = sent + ttl - margin;
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(want));
-        assert!(s.margin > Duration::ZERO);
+        assert!(margin > Duration::ZERO);
         // A later heartbeat moves it to its own send, never back.
         let later = sent + Duration::from_millis(1);
         s.renewed(later, &lease(1, 5));
-        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + s.ttl - s.margin));
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + ttl - margin));
         s.renewed(sent, &lease(1, 5));
-        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + s.ttl - s.margin));
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + ttl - margin));
     }
 
     #[test]
@@ -1118,17 +993,38 @@ mod tests {
     }
 
     #[test]
+    fn a_withdrawn_grant_still_renewed_later_is_released_again() {
+        // The release was lost or failed: the coordinator keeps renewing the grant this worker
+        // stopped believing in, which would stay with the session, unused, until it ended.
+        let (s, mut rx) = shared();
+        let before = Instant::now();
+        s.renewed(before, &lease(1, 5));
+        s.withdraw(Some(&[PartitionId(1)]));
+        // An answer to a heartbeat that left before the withdrawal says nothing of the release.
+        assert_eq!(s.renewed(before, &lease(1, 5)), vec![]);
+        let later = Instant::now() + Duration::from_millis(1);
+        assert_eq!(s.renewed(later, &lease(1, 5)), vec![(1, 5)]);
+        // Still not believed, and only a withdrawn grant is asked for again.
+        assert_eq!(assigned(&mut rx), 1);
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), None);
+        s.renewed(later, &lease(2, 6));
+        s.fenced_out(PartitionId(2), FencingToken(6));
+        assert_eq!(s.renewed(later + Duration::from_millis(1), &lease(2, 6)), vec![]);
+    }
+
+    #[test]
     fn a_lease_that_ran_out_locally_comes_back_only_through_a_later_heartbeat() {
         let (s, mut rx) = shared();
         let sent = Instant::now();
         s.renewed(sent, &lease(2, 7));
         assert_eq!(assigned(&mut rx), 1);
-        s.check_deadlines(Instant::now() + Duration::from_secs(2));
+        let dropped = Instant::now() + Duration::from_secs(2);
+        s.check_deadlines(dropped);
         assert_eq!(s.valid_until(PartitionId(2), FencingToken(7)), None);
         s.renewed(sent, &lease(2, 7)); // an old answer
         assert_eq!(assigned(&mut rx), 0);
         // A heartbeat sent after the lease was dropped: the coordinator still counts it ours.
-        s.renewed(Instant::now() + Duration::from_millis(1), &lease(2, 7));
+        s.renewed(dropped + Duration::from_millis(1), &lease(2, 7));
         assert_eq!(assigned(&mut rx), 1);
     }
 
