@@ -3,7 +3,9 @@
 //! it per invariant.
 
 use std::collections::BTreeMap;
-use tenure::history::{check, Committed, Decision, FinalRow, History, StoreRecord, WorkerOp, WorkerRecord};
+use tenure::history::{
+    check, Committed, Decision, FinalRow, History, Resumed, StoreRecord, WorkerOp, WorkerRecord,
+};
 use tenure::ids::{FencingToken, PartitionId, SessionId};
 
 const MS: u64 = 1_000_000;
@@ -117,7 +119,7 @@ fn caught(h: &History, invariant: &str) {
 fn a_correct_history_passes_every_invariant() {
     let report = check(&correct());
     assert!(report.passed(), "\n{report}");
-    assert_eq!(report.verdicts.len(), 10);
+    assert_eq!(report.verdicts.len(), 11);
     assert!(report.verdicts.iter().all(|v| v.skipped.is_none()), "\n{report}");
 }
 
@@ -262,4 +264,69 @@ fn a_write_accepted_under_a_token_never_granted_is_caught() {
     let mut h = correct();
     h.store.push(store(4, 1, 7, true)); // p1 never had a grant with token 7
     caught(&h, "no acknowledged grant is lost");
+}
+
+#[test]
+fn a_revoke_release_or_loss_by_a_non_holder_is_caught() {
+    // Each decision that ends or moves a grant must name the holder's grant: session 1 never
+    // held p1 under token 9.
+    for (index, decision) in [(11, Decision::Revoking), (12, Decision::Released), (9, Decision::Lost)] {
+        let mut h = correct();
+        for c in h
+            .coordinator
+            .iter_mut()
+            .filter(|c| c.index == index && c.decision == decision && c.partition == PartitionId(1))
+        {
+            c.session = SessionId(1);
+            c.token = FencingToken(9);
+        }
+        let report = check(&h);
+        assert!(report.failed().contains(&"one owner at a time"), "{decision:?}:\n{report}");
+    }
+}
+
+#[test]
+fn an_unowned_partition_at_the_end_is_caught() {
+    // The log and the final table agree that p0 ended up with nobody: durable, but not live.
+    let mut h = correct();
+    h.coordinator.push(committed(13, 0, 2, 9, Decision::Lost));
+    h.final_table[0].owner = None;
+    caught(&h, "every partition owned again within the bound after the faults heal");
+}
+
+#[test]
+fn a_belief_ends_where_its_release_or_loss_is_recorded() {
+    // b's lease on p1 still ran until 2 500 ms by its clock, but it released p1 at 2 100 ms,
+    // before a (session 3) believed it from 2 200 ms: one believer at a time.
+    let mut h = correct();
+    h.workers.push(op("b", 2, 1, 9, WorkerOp::Wrote, 1_200, Some(2_500)));
+    assert!(check(&h).passed(), "\n{}", check(&h));
+    // The same when the library reported it lost rather than released.
+    let mut lost = h.clone();
+    for w in lost.workers.iter_mut().filter(|w| w.op == WorkerOp::Released) {
+        w.op = WorkerOp::Lost;
+    }
+    assert!(check(&lost).passed(), "\n{}", check(&lost));
+    // Without the record that ended it, the belief overlaps a's.
+    h.workers.retain(|w| w.op != WorkerOp::Released);
+    caught(&h, "one believer at any instant");
+}
+
+#[test]
+fn a_replica_that_skipped_an_entry_is_caught() {
+    // Node 2 recorded entries 3 and 11-12 but not 9, which node 1 applied.
+    let mut h = correct();
+    h.coordinator.retain(|c| !(c.node == 2 && c.index == 9));
+    caught(&h, "replicas apply the same decisions at the same index");
+    // Unless a snapshot it installed (or its record's fresh start) covers index 9.
+    h.resumed.push(Resumed { node: 2, index: 9 });
+    assert!(check(&h).passed(), "\n{}", check(&h));
+}
+
+#[test]
+fn a_store_that_refuses_valid_writes_is_caught() {
+    // a's second write under token 3 was the highest token yet, and was refused.
+    let mut h = correct();
+    h.store[1].accepted = false;
+    caught(&h, "the store refuses only stale tokens");
 }

@@ -92,6 +92,7 @@ pub fn check(history: &History) -> Report {
             one_believer(history),
             belief_ends_before_the_grant(history),
             fencing(history),
+            refusals_are_stale(history),
             durability(history, &log.entries),
             liveness(history),
             balance(history),
@@ -113,7 +114,7 @@ fn agreed_log(history: &History) -> AgreedLog {
         by_index.entry(c.index).or_default().entry(c.node).or_default().push(c);
     }
     let mut entries = Vec::new();
-    let mut disagreements = Vec::new();
+    let mut disagreements = skipped_entries(history, &by_index);
     for (index, nodes) in by_index {
         // A replica that applied an entry twice (a restart replaying its log) reports it twice;
         // what counts is the set of decisions.
@@ -140,6 +141,35 @@ fn agreed_log(history: &History) -> AgreedLog {
         }
     }
     AgreedLog { entries, disagreements }
+}
+
+/// Indexes a replica skipped: another replica recorded decisions there, and this one recorded
+/// entries before and after it, with no snapshot or fresh start of its record covering it in
+/// between. (Comparing replicas only where both recorded would let a replica that skipped an
+/// entry pass.)
+fn skipped_entries(
+    history: &History,
+    by_index: &BTreeMap<u64, BTreeMap<u64, Vec<&Committed>>>,
+) -> Vec<String> {
+    let mut span: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
+    for c in &history.coordinator {
+        let s = span.entry(c.node).or_insert((c.index, c.index));
+        *s = (s.0.min(c.index), s.1.max(c.index));
+    }
+    let mut skipped = Vec::new();
+    for (index, nodes) in by_index {
+        for (node, (first, last)) in &span {
+            let inside = first < index && index < last;
+            let covered = history.resumed.iter().any(|r| r.node == *node && r.index >= *index);
+            if inside && !nodes.contains_key(node) && !covered {
+                let by: Vec<&u64> = nodes.keys().collect();
+                skipped.push(format!(
+                    "index {index}: node {node} applied entries {first}..={last} but not this one, which nodes {by:?} applied"
+                ));
+            }
+        }
+    }
+    skipped
 }
 
 /// The history covers what it claims to: no recorder missed entries, and a final table, when
@@ -366,6 +396,30 @@ fn fencing(history: &History) -> Verdict {
             _ => {
                 highest.insert(r.partition, (r.token, r.seq));
             }
+        }
+    }
+    v
+}
+
+/// The store refuses a write only when it had accepted a higher token for the partition: a
+/// store that turned away valid writes would look safe while doing nothing.
+fn refusals_are_stale(history: &History) -> Verdict {
+    let mut v = Verdict::new("the store refuses only stale tokens");
+    let mut store = history.store.clone();
+    store.sort_by_key(|r| r.seq);
+    let mut highest: BTreeMap<PartitionId, FencingToken> = BTreeMap::new();
+    for r in &store {
+        let seen = highest.get(&r.partition).copied();
+        if r.accepted {
+            highest.insert(r.partition, seen.map_or(r.token, |h| h.max(r.token)));
+        } else if seen.is_none_or(|h| r.token >= h) {
+            v.violation(format!(
+                "{}: refused token {} at #{} when the highest it had accepted was {:?}",
+                r.partition,
+                r.token,
+                r.seq,
+                seen.map(|h| h.0)
+            ));
         }
     }
     v

@@ -49,7 +49,7 @@ pub use proxy::FaultProxy;
 pub use remote_store::{serve_store, RemoteStore};
 pub use worker_process::{run_worker_process, WorkerProcessArgs};
 
-use crate::history::{self, Committed, Fault, FinalRow, History, Report, StoreRecord};
+use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed, StoreRecord};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::local_cluster::{node_ip, LocalCluster};
 use coordinators::Coordinators;
@@ -371,6 +371,8 @@ struct CoordinatorRecorder {
     /// What the recorders know they missed (a follower that fell behind the applied events):
     /// the history says so, and the checker refuses to call it complete.
     gaps: Arc<Mutex<Vec<String>>>,
+    /// Where each replica's record may skip entries on purpose (see [`Resumed`]).
+    resumed: Arc<Mutex<Vec<Resumed>>>,
     tasks: Vec<JoinHandle<()>>,
 }
 
@@ -379,8 +381,10 @@ impl CoordinatorRecorder {
     fn follow(&mut self, cluster: &Coordinators, id: NodeId) {
         let Coordinators::InProcess(cluster) = cluster else { return };
         let Some(node) = cluster.node(id) else { return };
-        let mut applied = node.node.sm.subscribe();
-        let (clock, records, gaps) = (self.clock, self.records.clone(), self.gaps.clone());
+        let (mut applied, from) = node.node.sm.subscribe_after();
+        self.resumed.lock().expect("recorder lock poisoned").push(Resumed { node: id, index: from });
+        let (clock, records, gaps, resumed) =
+            (self.clock, self.records.clone(), self.gaps.clone(), self.resumed.clone());
         self.tasks.push(tokio::spawn(async move {
             use tokio::sync::broadcast::error::RecvError;
             loop {
@@ -394,6 +398,13 @@ impl CoordinatorRecorder {
                     }
                     Err(RecvError::Closed) => return,
                 };
+                if entry.snapshot {
+                    resumed
+                        .lock()
+                        .expect("recorder lock poisoned")
+                        .push(Resumed { node: id, index: entry.index });
+                    continue;
+                }
                 let at_ns = clock.now_ns();
                 let mut records = records.lock().expect("recorder lock poisoned");
                 for event in &entry.events {
@@ -456,6 +467,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
         clock,
         records: Default::default(),
         gaps: Default::default(),
+        resumed: Default::default(),
         tasks: Vec::new(),
     };
     for id in cluster.ids() {
@@ -580,6 +592,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
     }
     let committed = recorder.records.clone();
     let gaps = std::mem::take(&mut *recorder.gaps.lock().expect("recorder lock poisoned"));
+    let resumed = std::mem::take(&mut *recorder.resumed.lock().expect("recorder lock poisoned"));
     drop(recorder); // stops following
     if let Some(processes) = cluster.shutdown().await {
         // The processes are gone; what they decided is in their logs.
@@ -617,6 +630,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
     history.store = store.journal();
     history.faults = faults;
     history.gaps = gaps;
+    history.resumed = resumed;
     history.final_table = final_table;
     history.live_sessions = live_sessions;
     history.recovered_after_ms = recovered_after.map(|d| d.as_millis() as u64);

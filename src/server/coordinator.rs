@@ -423,8 +423,9 @@ impl Coordinator for CoordinatorService {
                     received = events.recv() => received,
                 };
                 let applied = match received {
-                    Ok(applied) => applied,
-                    Err(broadcast::error::RecvError::Lagged(_)) => {
+                    Ok(applied) if !applied.snapshot => applied,
+                    // A snapshot replaced entries this stream did not see one by one.
+                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
                         send_or_stop(
                             &tx,
                             Err(Status::aborted("watch fell behind; reconnect to resynchronise")),
@@ -512,8 +513,9 @@ impl Coordinator for CoordinatorService {
                     received = events.recv() => received,
                 };
                 let applied = match received {
-                    Ok(applied) => applied,
-                    Err(_) => {
+                    Ok(applied) if !applied.snapshot => applied,
+                    // Lagged, closed, or a snapshot replaced entries not seen one by one.
+                    _ => {
                         send_or_stop(
                             &tx,
                             Err(Status::aborted("routes fell behind; reconnect")),

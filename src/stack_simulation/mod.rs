@@ -38,7 +38,7 @@
 
 mod net;
 
-use crate::history::{self, Committed, Fault, FinalRow, History, Report, WorkerRecord};
+use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed, WorkerRecord};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::nemesis::workload::{LocalSink, SlotTask, Stall, View};
 use crate::nemesis::{Clock, JournaledStore};
@@ -227,6 +227,10 @@ struct Published {
 struct Shared {
     published: Arc<Mutex<BTreeMap<NodeId, Published>>>,
     committed: Arc<Mutex<Vec<Committed>>>,
+    /// Where each replica's record may skip entries on purpose (a snapshot, a restart).
+    resumed: Arc<Mutex<Vec<Resumed>>>,
+    /// What the recorders know they missed.
+    gaps: Arc<Mutex<Vec<String>>>,
     worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
 }
 
@@ -318,6 +322,8 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
     let mut committed = std::mem::take(&mut *shared.committed.lock().expect("committed"));
     committed.retain(|c| c.index <= final_index);
     history.coordinator = committed;
+    history.resumed = std::mem::take(&mut *shared.resumed.lock().expect("resumed"));
+    history.gaps = std::mem::take(&mut *shared.gaps.lock().expect("gaps"));
     history.workers = std::mem::take(&mut *shared.worker_records.lock().expect("worker records"));
     history.store = store.journal();
     history.faults = faults;
@@ -353,14 +359,27 @@ fn add_node(
             let listener = turmoil::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, PORT)).await?;
             let addr = listener.local_addr()?;
             let node = server::start_on(node_config, addr, net::incoming(listener)).await?;
-            let mut applied = node.node.sm.subscribe();
+            let (mut applied, from) = node.node.sm.subscribe_after();
+            shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: from });
             let clock = Clock::Simulated;
             let mut publish = tokio::time::interval(Duration::from_millis(10));
             loop {
                 tokio::select! {
                     biased;
                     entry = applied.recv() => {
-                        let Ok(entry) = entry else { continue };
+                        let entry = match entry {
+                            Ok(entry) => entry,
+                            Err(tokio::sync::broadcast::error::RecvError::Lagged(n)) => {
+                                let gap = format!("the recorder of node {id} missed {n} applied entries");
+                                shared.gaps.lock().expect("gaps").push(gap);
+                                continue;
+                            }
+                            Err(_) => continue,
+                        };
+                        if entry.snapshot {
+                            shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: entry.index });
+                            continue;
+                        }
                         let at_ns = clock.now_ns();
                         let mut committed = shared.committed.lock().expect("committed");
                         for event in &entry.events {

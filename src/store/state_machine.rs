@@ -47,11 +47,14 @@ pub struct Applied {
 
 pub type SharedState = Arc<RwLock<Applied>>;
 
-/// The events of one applied log entry.
+/// The events of one applied log entry, or the mark of a snapshot installed in place of the
+/// entries up to `index` (then `events` is empty: whoever follows the events one by one has
+/// missed what the snapshot covers, and must read the state again).
 #[derive(Clone, Debug)]
 pub struct AppliedEvent {
     pub index: u64,
     pub events: Vec<Event>,
+    pub snapshot: bool,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -146,6 +149,14 @@ impl StateMachineStore {
 
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<AppliedEvent>> {
         self.events.subscribe()
+    }
+
+    /// Subscribes, then reads how far the state machine had applied: every entry after that
+    /// index reaches the receiver; the ones up to it may have been published before.
+    pub fn subscribe_after(&self) -> (broadcast::Receiver<Arc<AppliedEvent>>, u64) {
+        let events = self.events.subscribe();
+        let applied = self.shared.read().expect("state lock poisoned").last_applied.map_or(0, |l| l.index);
+        (events, applied)
     }
 
     /// Writes what changed (everything when `full`) in one synced batch, together with
@@ -305,7 +316,11 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                     EntryPayload::Normal(command) => {
                         let (response, events) = applied.state.apply(entry.log_id.index, &command);
                         if !events.is_empty() {
-                            published.push(Arc::new(AppliedEvent { index: entry.log_id.index, events }));
+                            published.push(Arc::new(AppliedEvent {
+                                index: entry.log_id.index,
+                                events,
+                                snapshot: false,
+                            }));
                         }
                         responses.push(response);
                     }
@@ -350,6 +365,9 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         // leaves either the old state or the new one, never a mix.
         self.persist(&mut installed, true, Some((meta, &data)))?;
         *applied = installed;
+        drop(applied);
+        let index = meta.last_log_id.map_or(0, |l| l.index);
+        let _ = self.events.send(Arc::new(AppliedEvent { index, events: Vec::new(), snapshot: true }));
         Ok(())
     }
 
