@@ -45,8 +45,10 @@ async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
     print_outcome(&config, &outcome);
     assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
     assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
-    assert!(outcome.writes_accepted > 100, "the workload barely ran: {} writes", outcome.writes_accepted);
+    assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");
     assert_eq!(outcome.faults.len(), FaultKind::ALL.len(), "every kind of fault ran: {:?}", outcome.faults);
+    // Fencing was exercised by real SIGSTOPs: a frozen worker process's late writes were refused.
+    assert!(outcome.refused_from_frozen_workers() > 0, "no write refused from a frozen worker process");
     // The coordinator's record was read back from every node's log on disk.
     let nodes: std::collections::BTreeSet<u64> = outcome.history.coordinator.iter().map(|c| c.node).collect();
     assert_eq!(nodes, (1..=config.nodes).collect(), "decisions replayed from every node's log");
@@ -67,6 +69,7 @@ async fn in_process_nodes_under_faults_keep_every_invariant() {
     assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
     assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
     assert!(outcome.history.faults.len() >= 4, "too few faults: {:?}", outcome.faults);
+    assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

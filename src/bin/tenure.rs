@@ -404,7 +404,7 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
     for name in &args.faults {
         faults.push(FaultKind::parse(name).with_context(|| format!("unknown fault kind {name:?}"))?);
     }
-    let (mut operations, mut injected, mut violations) = (0, 0, 0);
+    let (mut operations, mut injected, mut violations, mut short_runs) = (0, 0, 0, 0);
     for seed in args.seed..args.seed + args.runs {
         let mut config = NemesisConfig::new(seed, Duration::from_secs(args.fault_secs));
         config.nodes = args.nodes;
@@ -435,6 +435,11 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
             h.liveness_bound_ms,
         );
         print!("{}", outcome.report);
+        println!("  {} refused writes from frozen workers", outcome.refused_from_frozen_workers());
+        let shortfalls = outcome.shortfalls(config.fencing);
+        for short in &shortfalls {
+            println!("  SHORT {short}");
+        }
         if let Some(out) = &args.history_dir {
             std::fs::create_dir_all(out)?;
             let path = out.join(format!("history-{seed}.json"));
@@ -444,10 +449,17 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
         operations += h.store.len() + h.workers.len();
         injected += h.faults.len();
         violations += outcome.report.violation_count();
+        short_runs += usize::from(!shortfalls.is_empty());
     }
-    println!("{} runs: {operations} operations, {injected} faults, {violations} violations", args.runs);
+    println!(
+        "{} runs: {operations} operations, {injected} faults, {violations} violations, {short_runs} runs that did too little",
+        args.runs
+    );
     if violations > 0 {
         bail!("{violations} violations");
+    }
+    if short_runs > 0 {
+        bail!("{short_runs} runs did too little to count as evidence");
     }
     Ok(())
 }

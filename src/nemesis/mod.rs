@@ -49,7 +49,7 @@ pub use proxy::FaultProxy;
 pub use remote_store::{serve_store, RemoteStore};
 pub use worker_process::{run_worker_process, WorkerProcessArgs};
 
-use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed, StoreRecord};
+use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed, StoreRecord, WorkerOp};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::local_cluster::{node_ip, LocalCluster};
 use coordinators::Coordinators;
@@ -204,6 +204,60 @@ pub struct Outcome {
     pub writes_accepted: usize,
     pub writes_refused: usize,
     pub faults: BTreeMap<&'static str, usize>,
+}
+
+impl Outcome {
+    /// Writes the store refused from a worker while it was frozen (SIGSTOP for a process):
+    /// operations of the frozen worker that overlap its freeze. Fencing was exercised by a pause
+    /// only if there are some.
+    pub fn refused_from_frozen_workers(&self) -> usize {
+        let h = &self.history;
+        let freezes: Vec<(&str, u64, u64)> = h
+            .faults
+            .iter()
+            .filter_map(|f| {
+                let name = f.what.strip_prefix("freeze-worker ")?.split(' ').next()?;
+                Some((name, f.start_ns, f.healed_ns))
+            })
+            .collect();
+        h.workers
+            .iter()
+            .filter(|r| r.op == WorkerOp::Refused)
+            .filter(|r| {
+                freezes
+                    .iter()
+                    .any(|(name, from, to)| *name == r.worker && r.start_ns <= *to && r.end_ns >= *from)
+            })
+            .count()
+    }
+
+    /// What the run fell short of, if anything: a run that did too little proves nothing,
+    /// whatever its verdicts say. At least 20 committed decisions, 500 worker operations, 100
+    /// accepted writes, a fault, and, when a worker was frozen with fencing on, a write the
+    /// store refused from it.
+    pub fn shortfalls(&self, fencing: bool) -> Vec<String> {
+        let h = &self.history;
+        let decisions =
+            h.coordinator.iter().map(|c| c.index).collect::<std::collections::BTreeSet<_>>().len();
+        let mut short = Vec::new();
+        if decisions < 20 {
+            short.push(format!("only {decisions} log entries made decisions"));
+        }
+        if h.workers.len() < 500 {
+            short.push(format!("only {} worker operations", h.workers.len()));
+        }
+        if self.writes_accepted < 100 {
+            short.push(format!("only {} accepted writes", self.writes_accepted));
+        }
+        if h.faults.is_empty() {
+            short.push("no fault ran".into());
+        }
+        let froze = self.faults.contains_key(FaultKind::FreezeWorker.name());
+        if fencing && froze && self.refused_from_frozen_workers() == 0 {
+            short.push("a worker was frozen, but the store refused none of its writes".into());
+        }
+        short
+    }
 }
 
 /// The run's clock: nanoseconds since it began, on the system's monotonic clock (which every
