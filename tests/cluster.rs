@@ -60,14 +60,31 @@ async fn a_silent_worker_loses_its_partitions_after_the_ttl_and_they_get_higher_
 async fn a_graceful_leave_moves_only_its_partitions() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let (w1, w2, w3) = (worker(&c, "w1").await, worker(&c, "w2").await, worker(&c, "w3").await);
+    let (w1, mut w2, w3) = (worker(&c, "w1").await, worker(&c, "w2").await, worker(&c, "w3").await);
+    let mut events = w2.events();
     settled(&c, 3).await;
     let before = tokens(&workers_agree(&c, &[&w1, &w2, &w3]).await);
     let leaving = w2.session().0;
-    let started = Instant::now();
+    let held: std::collections::BTreeSet<u32> =
+        before.iter().filter(|(_, (owner, _))| *owner == leaving).map(|(p, _)| *p).collect();
     w2.leave().await.unwrap();
+    // The partitions were given back, not left to expire: once the leave returns, the session
+    // is gone from the table (an expiry would keep it, leaving, for a TTL), and the worker saw
+    // each partition end as `Released`, never `Lost`.
+    let status = c.status().await.unwrap();
+    assert!(status.sessions.iter().all(|s| s.id != leaving), "{:?}", status.sessions);
+    let mut released = std::collections::BTreeSet::new();
+    while let Ok(event) = events.try_recv() {
+        match event {
+            WorkerEvent::Released { partition, .. } => {
+                released.insert(partition.0);
+            }
+            WorkerEvent::Lost { .. } => panic!("a leaving worker lost a partition: {event:?}"),
+            _ => {}
+        }
+    }
+    assert_eq!(released, held);
     let after = tokens(&settled(&c, 2).await);
-    assert!(started.elapsed() < TTL, "a graceful leave does not wait for lease expiry");
     for (p, (owner, token)) in &before {
         if *owner == leaving {
             assert!(after[p].1 > *token);
