@@ -169,6 +169,17 @@ enum Ev {
         session: SessionId,
         event: Event,
     },
+    /// The worker (re)opens its ownership stream, which starts with a snapshot of what the
+    /// session owns, read by the leader when the request arrives (as the server's watch does).
+    WatchOpen {
+        w: usize,
+        session: SessionId,
+    },
+    StreamSnapshot {
+        w: usize,
+        session: SessionId,
+        grants: Vec<(PartitionId, FencingToken, bool)>,
+    },
     Restart {
         w: usize,
     },
@@ -432,6 +443,13 @@ impl Sim {
         self.history.faults.push(Fault { what, start_ns, healed_ns: (self.now + length) * 1000 });
     }
 
+    /// Worker `w` opens its ownership stream again, if it has a session.
+    fn reopen_watch(&mut self, w: usize) {
+        if let (true, Some(session)) = (self.workers[w].alive, self.workers[w].session) {
+            self.send(w, Ev::WatchOpen { w, session });
+        }
+    }
+
     /// The process stops (a crash, or an exit after leaving) and starts again after `length`.
     fn stop_worker(&mut self, w: usize, length: Micros) {
         let worker = &mut self.workers[w];
@@ -539,7 +557,8 @@ impl Sim {
             | Ev::ReleaseReply { w, .. }
             | Ev::HeartbeatReply { w, .. }
             | Ev::SessionGone { w, .. }
-            | Ev::Stream { w, .. } => Some(*w),
+            | Ev::Stream { w, .. }
+            | Ev::StreamSnapshot { w, .. } => Some(*w),
             _ => None,
         };
         if let Some(w) = target {
@@ -620,6 +639,10 @@ impl Sim {
                 let now = self.instant(self.now);
                 self.leases = LeaseTable::for_new_term(now, &self.state, self.next_leader_ttl);
                 self.next_leader_ttl = Duration::from_millis(self.config.lease_ttl_ms);
+                // Every worker's stream moves to the new leader.
+                for w in 0..self.workers.len() {
+                    self.reopen_watch(w);
+                }
             }
             Ev::Restart { w } => {
                 let worker = &mut self.workers[w];
@@ -650,12 +673,16 @@ impl Sim {
                     self.handle(ev);
                 }
             }
-            Ev::Heal { w } => self.workers[w].cut = false,
+            Ev::Heal { w } => {
+                self.workers[w].cut = false;
+                self.reopen_watch(w);
+            }
             Ev::JoinReply { w, session, life } => {
                 let worker = &mut self.workers[w];
                 if worker.life == life && worker.session.is_none() {
                     worker.session = Some(session);
                     self.at(0, Ev::WriteTick { w, life });
+                    self.reopen_watch(w);
                 }
             }
             Ev::ReleaseReply { w, session, partitions } => {
@@ -691,6 +718,25 @@ impl Sim {
                 }
             }
             Ev::Stream { w, session, event } => self.stream(w, session, event),
+            Ev::WatchOpen { w, session } => {
+                if self.leader_up {
+                    let grants = self
+                        .state
+                        .owned_by(session)
+                        .into_iter()
+                        .map(|(p, r)| (p, r.token, r.revoking))
+                        .collect();
+                    self.send(w, Ev::StreamSnapshot { w, session, grants });
+                }
+            }
+            Ev::StreamSnapshot { w, session, grants } => {
+                for (partition, token, revoking) in grants {
+                    self.stream(w, session, Event::Granted { partition, session, token });
+                    if revoking {
+                        self.stream(w, session, Event::Revoking { partition, session, token });
+                    }
+                }
+            }
             Ev::StoreWrite { w, session, p, token, sent, believed } => {
                 let accepted = if self.config.fencing { self.fences.admit(p, token).is_ok() } else { true };
                 self.history.store.push(StoreRecord { seq: self.store_seq, partition: p, token, accepted });
