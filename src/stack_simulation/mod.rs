@@ -40,7 +40,7 @@ mod net;
 
 use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed, WorkerRecord};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
-use crate::nemesis::workload::{LocalSink, SlotTask, Stall, View};
+use crate::nemesis::workload::{Action, LocalSink, SlotTask, Stall, View};
 use crate::nemesis::{Clock, JournaledStore};
 use crate::server::{self, NodeConfig};
 use rand::rngs::StdRng;
@@ -67,10 +67,17 @@ pub enum SimFault {
     KillAll,
     LossyLinks,
     SlowNetwork,
+    /// A node (the leader) restarted with another lease TTL than the cluster was created with.
+    RestartOtherFlags,
+    /// What applications do of their own accord: release a partition never revoked, leave
+    /// gracefully, drop the `Worker`, each followed by a join under the same name.
+    ReleaseOwnAccord,
+    LeaveWorker,
+    DropWorker,
 }
 
 impl SimFault {
-    pub const ALL: [SimFault; 10] = [
+    pub const ALL: [SimFault; 14] = [
         SimFault::FreezeWorker,
         SimFault::CrashWorker,
         SimFault::PartitionWorker,
@@ -81,6 +88,10 @@ impl SimFault {
         SimFault::KillAll,
         SimFault::LossyLinks,
         SimFault::SlowNetwork,
+        SimFault::RestartOtherFlags,
+        SimFault::ReleaseOwnAccord,
+        SimFault::LeaveWorker,
+        SimFault::DropWorker,
     ];
 
     pub fn name(self) -> &'static str {
@@ -95,6 +106,10 @@ impl SimFault {
             SimFault::KillAll => "kill-all",
             SimFault::LossyLinks => "lossy-links",
             SimFault::SlowNetwork => "slow-network",
+            SimFault::RestartOtherFlags => "restart-other-flags",
+            SimFault::ReleaseOwnAccord => "release-own-accord",
+            SimFault::LeaveWorker => "leave-worker",
+            SimFault::DropWorker => "drop-worker",
         }
     }
 }
@@ -231,6 +246,10 @@ struct Shared {
     resumed: Arc<Mutex<Vec<Resumed>>>,
     /// What the recorders know they missed.
     gaps: Arc<Mutex<Vec<String>>>,
+    /// The lease TTL a node is started with when it is not the cluster's (other flags).
+    flags: Arc<Mutex<BTreeMap<NodeId, Duration>>>,
+    /// How the driver asks each worker's current incarnation to act of its own accord.
+    actions: Arc<Mutex<BTreeMap<usize, tokio::sync::mpsc::Sender<Action>>>>,
     worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
 }
 
@@ -354,7 +373,10 @@ fn add_node(
     node_config.dialer = net::dialer();
     let shared = shared.clone();
     sim.host(node_name(id), move || {
-        let (node_config, shared) = (node_config.clone(), shared.clone());
+        let (mut node_config, shared) = (node_config.clone(), shared.clone());
+        if let Some(ttl) = shared.flags.lock().expect("flags").get(&id) {
+            node_config.lease_ttl = *ttl;
+        }
         async move {
             let listener = turmoil::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, PORT)).await?;
             let addr = listener.local_addr()?;
@@ -426,20 +448,23 @@ fn add_worker(
     let name = worker_name(n);
     let coordinators: Vec<String> = peers.values().cloned().collect();
     let nodes: Vec<String> = peers.keys().map(|id| node_name(*id)).collect();
-    let (store, pause, view, records) =
-        (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone());
+    let (store, pause, view, records, actions) =
+        (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone(), shared.actions.clone());
     let interval = config.write_interval;
     sim.host(name.clone(), move || {
-        let (name, coordinators, store, view, records) =
-            (name.clone(), coordinators.clone(), store.clone(), view.clone(), records.clone());
+        let (name, coordinators, store, view, records, actions) =
+            (name.clone(), coordinators.clone(), store.clone(), view.clone(), records.clone(), actions.clone());
         let stall = stall(name.clone(), nodes.clone(), pause.clone());
         async move {
             // A new start forgets everything the last incarnation believed.
             *view.lock().expect("view") = View::default();
             let sink = Arc::new(LocalSink { view, records });
             let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            actions.lock().expect("actions").insert(n, tx);
             let mut task = SlotTask::new(name, ip, coordinators, store, sink, Clock::Simulated, interval)
-                .simulated(net::dialer(), stall);
+                .simulated(net::dialer(), stall)
+                .acting_on(rx);
             task.rejoin().await?;
             task.run_checking_before_work().await?;
             Ok(())
@@ -656,6 +681,32 @@ impl Driver<'_> {
                     self.sim.repair(a.as_str(), b.as_str());
                 }
                 Ok(format!("{name} between nodes for {} ms", lasts.as_millis()))
+            }
+            SimFault::RestartOtherFlags => {
+                let leader = self.await_leader()?;
+                let ms = self.config.lease_ttl.as_millis() as u64;
+                let flag = Duration::from_millis(rng.random_range(ms / 4..=ms * 4));
+                self.crash_node(leader);
+                self.shared.flags.lock().expect("flags").insert(leader, flag);
+                let down = jitter(rng, Duration::from_millis(200), ttl);
+                self.advance(down)?;
+                self.sim.bounce(node_name(leader));
+                Ok(format!("{name} {leader} with a {} ms lease TTL after {} ms down", flag.as_millis(), down.as_millis()))
+            }
+            SimFault::ReleaseOwnAccord | SimFault::LeaveWorker | SimFault::DropWorker => {
+                let n = rng.random_range(0..self.config.workers);
+                let action = match kind {
+                    SimFault::ReleaseOwnAccord => Action::Release,
+                    SimFault::LeaveWorker => Action::Leave,
+                    _ => Action::Drop,
+                };
+                let sender = self.shared.actions.lock().expect("actions").get(&n).cloned();
+                if let Some(sender) = sender {
+                    let _ = sender.try_send(action);
+                }
+                // The slot acts between rounds and then lingers a while; give it a TTL.
+                self.advance(ttl)?;
+                Ok(format!("{name} {}", workers[n]))
             }
             SimFault::SlowNetwork => {
                 let delay = jitter(rng, Duration::from_millis(5), election / 2);
