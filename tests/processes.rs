@@ -98,5 +98,16 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
             .find(|b| b.contains("tenure_grants_total"))
     });
     assert!(scraped.contains("tenure_owned_partitions"), "{scraped}");
+    // Every replica counts the decisions it applies under its own `node` label, never another
+    // node's: the 16 grants appear once per node, each series labelled with that node.
+    for (i, m) in metrics.iter().enumerate() {
+        let id = i + 1;
+        let own = format!("tenure_grants_total{{node=\"{id}\"}} 16");
+        let body = until(&format!("node {id} counts the 16 grants it applied"), || {
+            http_get(&format!("127.0.0.1:{m}"), "/metrics").filter(|b| b.contains(&own))
+        });
+        let series = body.lines().filter(|l| l.starts_with("tenure_grants_total{")).count();
+        assert_eq!(series, 1, "node {id} exports one grants series, its own:\n{body}");
+    }
     drop(worker);
 }
