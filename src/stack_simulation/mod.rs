@@ -452,8 +452,14 @@ fn add_worker(
         (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone(), shared.actions.clone());
     let interval = config.write_interval;
     sim.host(name.clone(), move || {
-        let (name, coordinators, store, view, records, actions) =
-            (name.clone(), coordinators.clone(), store.clone(), view.clone(), records.clone(), actions.clone());
+        let (name, coordinators, store, view, records, actions) = (
+            name.clone(),
+            coordinators.clone(),
+            store.clone(),
+            view.clone(),
+            records.clone(),
+            actions.clone(),
+        );
         let stall = stall(name.clone(), nodes.clone(), pause.clone());
         async move {
             // A new start forgets everything the last incarnation believed.
@@ -691,7 +697,11 @@ impl Driver<'_> {
                 let down = jitter(rng, Duration::from_millis(200), ttl);
                 self.advance(down)?;
                 self.sim.bounce(node_name(leader));
-                Ok(format!("{name} {leader} with a {} ms lease TTL after {} ms down", flag.as_millis(), down.as_millis()))
+                Ok(format!(
+                    "{name} {leader} with a {} ms lease TTL after {} ms down",
+                    flag.as_millis(),
+                    down.as_millis()
+                ))
             }
             SimFault::ReleaseOwnAccord | SimFault::LeaveWorker | SimFault::DropWorker => {
                 let n = rng.random_range(0..self.config.workers);
