@@ -148,11 +148,18 @@ enum Ev {
         session: SessionId,
         life: u64,
     },
-    /// The answer to a release (only waited for by the planted `release_before_withdraw` bug).
+    /// The answer to a release: the library marks the release settled (and, under the planted
+    /// `release_before_withdraw` bug, only now withdraws belief).
     ReleaseReply {
         w: usize,
         session: SessionId,
         partitions: Vec<PartitionId>,
+        tokens: Vec<FencingToken>,
+    },
+    /// The worker's heartbeat task, kicked by an announcement: it sends a heartbeat just after.
+    Kick {
+        w: usize,
+        session: SessionId,
     },
     HeartbeatReply {
         w: usize,
@@ -494,10 +501,9 @@ impl Sim {
         let (_, changes) = self.workers[w].belief.withdraw(None, now);
         self.changes(w, changes);
         if tell {
-            let secret = self.workers[w].secret();
-            let leave = Command::Leave { session, secret: secret.clone() };
+            // The release of everything follows once the leave is answered (see `commit`).
+            let leave = Command::Leave { session, secret: self.workers[w].secret() };
             self.send(w, Ev::Propose { command: leave, from: Some(w) });
-            self.send(w, Ev::Propose { command: Command::ReleaseAll { session, secret }, from: Some(w) });
         }
         self.stop_worker(w, length);
     }
@@ -509,9 +515,9 @@ impl Sim {
         for change in changes {
             match change {
                 Change::Announced { .. } => {
-                    // The library sends a heartbeat at once to confirm it.
-                    let sent_local = self.workers[w].local(self.now);
-                    self.send(w, Ev::HeartbeatArrives { w, session, sent_local });
+                    // The library's heartbeat task is kicked and sends one just after, which
+                    // may confirm it (one sent at the very instant of the announcement may not).
+                    self.at(10, Ev::Kick { w, session });
                 }
                 Change::Assigned { partition, token, valid_until } => {
                     // Fence before resume, then work.
@@ -555,6 +561,7 @@ impl Sim {
             | Ev::WriteTick { w, .. }
             | Ev::JoinReply { w, .. }
             | Ev::ReleaseReply { w, .. }
+            | Ev::Kick { w, .. }
             | Ev::HeartbeatReply { w, .. }
             | Ev::SessionGone { w, .. }
             | Ev::Stream { w, .. }
@@ -685,11 +692,29 @@ impl Sim {
                     self.reopen_watch(w);
                 }
             }
-            Ev::ReleaseReply { w, session, partitions } => {
+            Ev::ReleaseReply { w, session, partitions, tokens } => {
                 if self.workers[w].session == Some(session) {
                     let now = self.clock(w, self.now);
-                    let (_, changes) = self.workers[w].belief.withdraw(Some(&partitions), now);
-                    self.changes(w, changes);
+                    if self.config.release_before_withdraw {
+                        // The old order: belief in the grants released ends only now.
+                        let held: Vec<PartitionId> = partitions
+                            .iter()
+                            .zip(&tokens)
+                            .filter(|(p, t)| {
+                                self.workers[w].belief.held().any(|(q, h)| q == **p && h.token == **t)
+                            })
+                            .map(|(p, _)| *p)
+                            .collect();
+                        let (_, changes) = self.workers[w].belief.withdraw(Some(&held), now);
+                        self.changes(w, changes);
+                    }
+                    self.workers[w].belief.release_settled(&partitions, now);
+                }
+            }
+            Ev::Kick { w, session } => {
+                if self.workers[w].session == Some(session) {
+                    let sent_local = self.workers[w].local(self.now);
+                    self.send(w, Ev::HeartbeatArrives { w, session, sent_local });
                 }
             }
             Ev::Tick { w, life } => self.tick(w, life),
@@ -730,11 +755,14 @@ impl Sim {
                 }
             }
             Ev::StreamSnapshot { w, session, grants } => {
+                // As the server's watch: a revoking grant is sent as revoking only.
                 for (partition, token, revoking) in grants {
-                    self.stream(w, session, Event::Granted { partition, session, token });
-                    if revoking {
-                        self.stream(w, session, Event::Revoking { partition, session, token });
-                    }
+                    let event = if revoking {
+                        Event::Revoking { partition, session, token }
+                    } else {
+                        Event::Granted { partition, session, token }
+                    };
+                    self.stream(w, session, event);
                 }
             }
             Ev::StoreWrite { w, session, p, token, sent, believed } => {
@@ -792,8 +820,13 @@ impl Sim {
                 let life = self.workers[w].life;
                 self.send(w, Ev::JoinReply { w, session: *session, life });
             }
-            (Some(w), Response::Released { .. }, Command::Release { session, partitions, .. }) => {
-                self.send(w, Ev::ReleaseReply { w, session, partitions });
+            (Some(w), Response::Released { .. }, Command::Release { session, partitions, tokens, .. }) => {
+                self.send(w, Ev::ReleaseReply { w, session, partitions, tokens });
+            }
+            (Some(w), Response::Left, Command::Leave { session, secret }) => {
+                // As the library's leave: everything is released once the leave is answered.
+                let command = Command::ReleaseAll { session, secret };
+                self.send(w, Ev::Propose { command, from: Some(w) });
             }
             _ => {}
         }
@@ -925,7 +958,8 @@ impl Sim {
                 let data = crate::store::encode_table_snapshot(&lagging);
                 lagging = crate::store::decode_table_snapshot(&data).expect("the snapshot format reads back");
                 let installed = self.log[..i].last().map_or(0, |(index, _)| *index);
-                self.history.resumed.push(Resumed { node: 3, index: installed });
+                let after = self.history.coordinator.iter().filter(|c| c.node == 3).map(|c| c.index).max();
+                self.history.resumed.push(Resumed { node: 3, index: installed, after: after.unwrap_or(0) });
             }
             for (node, state) in [(2, &mut follower), (3, &mut lagging)] {
                 let (_, events) = state.apply(*index, command);

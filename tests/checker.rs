@@ -318,8 +318,11 @@ fn a_replica_that_skipped_an_entry_is_caught() {
     let mut h = correct();
     h.coordinator.retain(|c| !(c.node == 2 && c.index == 9));
     caught(&h, "replicas apply the same decisions at the same index");
-    // Unless a snapshot it installed (or its record's fresh start) covers index 9.
-    h.resumed.push(Resumed { node: 2, index: 9 });
+    // A snapshot installed (or a record started afresh) after index 9 excuses nothing before it.
+    h.resumed.push(Resumed { node: 2, index: 12, after: 11 });
+    caught(&h, "replicas apply the same decisions at the same index");
+    // One that covers index 9 does.
+    h.resumed.push(Resumed { node: 2, index: 9, after: 3 });
     assert!(check(&h).passed(), "\n{}", check(&h));
 }
 

@@ -146,8 +146,13 @@ fn a_lease_counted_from_the_reply_is_caught() {
             failed.len()
         );
         // Believing past the expiry shows as two believers, and as a belief that outlived
-        // the grant the leader expired; nothing else breaks.
-        let symptoms = ["one believer at any instant", "no belief outlives its grant"];
+        // the grant the leader expired; nothing else breaks (but on a network this slow,
+        // recovery may overrun the bound made for a normal one, as without the bug).
+        let mut symptoms = vec!["one believer at any instant", "no belief outlives its grant"];
+        if slow > 0.1 {
+            symptoms.push("every partition owned again within the bound after the faults heal");
+        }
         assert!(failed.iter().flatten().all(|f| symptoms.contains(f)), "{failed:?}");
+        assert!(failed.iter().all(|f| f.contains(&"no belief outlives its grant")), "{failed:?}");
     }
 }

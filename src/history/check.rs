@@ -160,7 +160,7 @@ fn skipped_entries(
     for (index, nodes) in by_index {
         for (node, (first, last)) in &span {
             let inside = first < index && index < last;
-            let covered = history.resumed.iter().any(|r| r.node == *node && r.index >= *index);
+            let covered = history.resumed.iter().any(|r| r.covers(*node, *index));
             if inside && !nodes.contains_key(node) && !covered {
                 let by: Vec<&u64> = nodes.keys().collect();
                 skipped.push(format!(

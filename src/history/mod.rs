@@ -105,13 +105,23 @@ pub struct StoreRecord {
     pub accepted: bool,
 }
 
-/// A point from which a replica's record may lack earlier entries on purpose: the replica
-/// installed a snapshot that covers the log up to `index`, or its recorder began following it
-/// when it had applied up to `index` already.
+/// A stretch of a replica's log that its record may lack on purpose: the entries after `after`
+/// (the highest index its record held then) up to `index`, because the replica installed a
+/// snapshot that covers the log up to `index`, or its recorder began following it when it had
+/// applied up to `index` already.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Resumed {
     pub node: u64,
     pub index: u64,
+    #[serde(default)]
+    pub after: u64,
+}
+
+impl Resumed {
+    /// Whether this stretch excuses `node` for not recording `index`.
+    pub fn covers(&self, node: u64, index: u64) -> bool {
+        self.node == node && self.after < index && index <= self.index
+    }
 }
 
 /// A fault the run injected, and when it was healed.

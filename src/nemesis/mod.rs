@@ -418,6 +418,12 @@ impl crate::fence::FenceStore for JournaledStore {
     }
 }
 
+/// The highest log index recorded for `node` so far.
+fn highest_recorded(records: &Mutex<Vec<Committed>>, node: NodeId) -> u64 {
+    let records = records.lock().expect("recorder lock poisoned");
+    records.iter().filter(|c| c.node == node).map(|c| c.index).max().unwrap_or(0)
+}
+
 /// Follows every replica's applied decisions.
 struct CoordinatorRecorder {
     clock: Clock,
@@ -436,7 +442,8 @@ impl CoordinatorRecorder {
         let Coordinators::InProcess(cluster) = cluster else { return };
         let Some(node) = cluster.node(id) else { return };
         let (mut applied, from) = node.node.sm.subscribe_after();
-        self.resumed.lock().expect("recorder lock poisoned").push(Resumed { node: id, index: from });
+        let after = highest_recorded(&self.records, id);
+        self.resumed.lock().expect("recorder lock poisoned").push(Resumed { node: id, index: from, after });
         let (clock, records, gaps, resumed) =
             (self.clock, self.records.clone(), self.gaps.clone(), self.resumed.clone());
         self.tasks.push(tokio::spawn(async move {
@@ -453,10 +460,11 @@ impl CoordinatorRecorder {
                     Err(RecvError::Closed) => return,
                 };
                 if entry.snapshot {
-                    resumed
-                        .lock()
-                        .expect("recorder lock poisoned")
-                        .push(Resumed { node: id, index: entry.index });
+                    resumed.lock().expect("recorder lock poisoned").push(Resumed {
+                        node: id,
+                        index: entry.index,
+                        after: highest_recorded(&records, id),
+                    });
                     continue;
                 }
                 let at_ns = clock.now_ns();

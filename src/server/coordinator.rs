@@ -423,7 +423,7 @@ impl Coordinator for CoordinatorService {
                     received = events.recv() => received,
                 };
                 let applied = match received {
-                    Ok(applied) if !applied.snapshot => applied,
+                    Ok(applied) if !applied.snapshot || applied.index <= from_index => applied,
                     // A snapshot replaced entries this stream did not see one by one.
                     Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
                         send_or_stop(
@@ -513,7 +513,7 @@ impl Coordinator for CoordinatorService {
                     received = events.recv() => received,
                 };
                 let applied = match received {
-                    Ok(applied) if !applied.snapshot => applied,
+                    Ok(applied) if !applied.snapshot || applied.index <= from_index => applied,
                     // Lagged, closed, or a snapshot replaced entries not seen one by one.
                     _ => {
                         send_or_stop(

@@ -253,6 +253,12 @@ struct Shared {
     worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
 }
 
+/// The highest log index recorded for `node` so far.
+fn highest_recorded(shared: &Shared, node: NodeId) -> u64 {
+    let committed = shared.committed.lock().expect("committed");
+    committed.iter().filter(|c| c.node == node).map(|c| c.index).max().unwrap_or(0)
+}
+
 fn node_name(id: NodeId) -> String {
     format!("n{id}")
 }
@@ -382,7 +388,8 @@ fn add_node(
             let addr = listener.local_addr()?;
             let node = server::start_on(node_config, addr, net::incoming(listener)).await?;
             let (mut applied, from) = node.node.sm.subscribe_after();
-            shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: from });
+            let after = highest_recorded(&shared, id);
+            shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: from, after });
             let clock = Clock::Simulated;
             let mut publish = tokio::time::interval(Duration::from_millis(10));
             loop {
@@ -399,7 +406,8 @@ fn add_node(
                             Err(_) => continue,
                         };
                         if entry.snapshot {
-                            shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: entry.index });
+                            let after = highest_recorded(&shared, id);
+                            shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: entry.index, after });
                             continue;
                         }
                         let at_ns = clock.now_ns();

@@ -313,7 +313,8 @@ impl Belief {
         partitions: Option<&[PartitionId]>,
         now: Instant,
     ) -> (BTreeMap<PartitionId, FencingToken>, Vec<Change>) {
-        let chosen: Vec<PartitionId> = match partitions {
+        // A set: a partition listed twice is withdrawn once.
+        let chosen: std::collections::BTreeSet<PartitionId> = match partitions {
             Some(list) => list.iter().copied().filter(|p| self.held.contains_key(p)).collect(),
             None => self.held.keys().copied().collect(),
         };
@@ -324,6 +325,17 @@ impl Belief {
             self.end_or_withdraw(partition, End::Released, true, now, &mut changes);
         }
         (withdrawn, changes)
+    }
+
+    /// The release of withdrawn `partitions` was answered (or failed) at `now`. Only a heartbeat
+    /// sent after this that still finds one renewed says the release did not get through; one
+    /// sent while the release was in flight says nothing.
+    pub fn release_settled(&mut self, partitions: &[PartitionId], now: Instant) {
+        for p in partitions {
+            if let Some(r) = self.retired.get_mut(p).filter(|r| r.withdrawn) {
+                r.at = r.at.max(now);
+            }
+        }
     }
 
     /// Drops every grant whose local lease has run out by `now`.

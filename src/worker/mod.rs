@@ -334,6 +334,12 @@ impl Shared {
         self.step(|b, now| b.withdraw(partitions, now))
     }
 
+    /// The release of `partitions` was answered or failed: see [`Belief::release_settled`].
+    fn release_settled(&self, partitions: &[PartitionId]) {
+        let mut local = self.local.lock().expect("worker lock poisoned");
+        local.belief.release_settled(partitions, Instant::now());
+    }
+
     /// Drops the grant `token` of `partition` after a release.
     #[cfg(test)]
     fn released(self: &Arc<Self>, partition: PartitionId, token: FencingToken) {
@@ -664,7 +670,9 @@ impl Worker {
             all,
             tokens,
         };
-        send_release_request(self.client.clone(), request).await
+        let sent = send_release_request(self.client.clone(), request).await;
+        self.shared.release_settled(&withdrawn.keys().copied().collect::<Vec<_>>());
+        sent
     }
 
     /// Leaves gracefully: this worker stops believing in every partition (each is reported
@@ -734,10 +742,16 @@ impl Worker {
                         if !unreleased.is_empty() {
                             // A release that did not get through: sent again beside the
                             // heartbeats, which must not wait for it.
-                            let (partitions, tokens) = unreleased.into_iter().unzip();
+                            let (partitions, tokens): (Vec<u32>, Vec<u64>) = unreleased.into_iter().unzip();
+                            let settled: Vec<PartitionId> =
+                                partitions.iter().map(|p| PartitionId(*p)).collect();
                             let release =
                                 proto::ReleaseRequest { partitions, tokens, ..request_release.clone() };
-                            tokio::spawn(send_release_request(client.clone(), release));
+                            let (client, shared) = (client.clone(), shared.clone());
+                            tokio::spawn(async move {
+                                let _ = send_release_request(client, release).await;
+                                shared.release_settled(&settled);
+                            });
                         }
                         failing = false;
                         retries = retry_pauses(every);
