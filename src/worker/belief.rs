@@ -363,3 +363,55 @@ impl Belief {
         changes
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The rules with made-up instants; the library's own tests (`worker::tests`) drive them
+    //! through its tasks' entry points.
+
+    use super::*;
+
+    const P: PartitionId = PartitionId(1);
+    const T: FencingToken = FencingToken(5);
+
+    fn at(base: Instant, ms: u64) -> Instant {
+        base + Duration::from_millis(ms)
+    }
+
+    #[test]
+    fn a_heartbeat_sent_while_the_release_is_in_flight_asks_for_no_second_one() {
+        let base = Instant::now();
+        let mut b = Belief::new(Duration::from_secs(1), Duration::from_millis(200));
+        b.renewed(at(base, 0), at(base, 1), [(P, T)]);
+        // Listed twice, withdrawn once.
+        let (withdrawn, changes) = b.withdraw(Some(&[P, P]), at(base, 10));
+        assert_eq!(withdrawn.len(), 1);
+        assert_eq!(changes, vec![Change::Ended { partition: P, token: T, end: End::Released }]);
+        // The release is answered at 30 ms; a heartbeat sent at 20 ms, while it was in flight,
+        // may still list the grant: that asks for nothing.
+        b.release_settled(&[P], at(base, 30));
+        assert_eq!(b.renewed(at(base, 20), at(base, 40), [(P, T)]), vec![]);
+        // One sent after the answer that still finds it renewed: the release did not take.
+        assert_eq!(
+            b.renewed(at(base, 50), at(base, 60), [(P, T)]),
+            vec![Change::Unreleased { partition: P, token: T }]
+        );
+        // Never believed again either way.
+        assert_eq!(b.valid_until(P, T), None);
+    }
+
+    #[test]
+    fn without_an_answer_the_withdrawal_itself_is_the_mark() {
+        // A release that was lost on the way is never answered: a heartbeat sent after the
+        // withdrawal that still finds the grant renewed asks for the release again.
+        let base = Instant::now();
+        let mut b = Belief::new(Duration::from_secs(1), Duration::from_millis(200));
+        b.renewed(at(base, 0), at(base, 1), [(P, T)]);
+        b.withdraw(Some(&[P]), at(base, 10));
+        assert_eq!(b.renewed(at(base, 5), at(base, 20), [(P, T)]), vec![]);
+        assert_eq!(
+            b.renewed(at(base, 11), at(base, 20), [(P, T)]),
+            vec![Change::Unreleased { partition: P, token: T }]
+        );
+    }
+}
