@@ -4,15 +4,14 @@
 //! coordinator leader, and a fencing token that storage checks. See `ARCHITECTURE.md` for the
 //! code map and the invariants.
 //!
-//! Features: the core types, the key space and the [`fence`] check are always built and pull in
-//! nothing heavy; `fence-rocksdb` and `fence-postgres` add fenced stores; `worker` adds the
+//! Features: the core types, the key space and the [`fence`] check (the `tenure-core` crate,
+//! re-exported here) are always built and pull in nothing heavy; `fence-rocksdb` and `fence-postgres` add fenced stores; `worker` adds the
 //! worker library; `coordinator` (the default) adds the replicated coordinator and the binary.
 //! [`history`] records what a run did and checks it against the invariants.
 
-pub mod fence;
+pub use tenure_core::{fence, ids, keyspace};
+
 pub mod history;
-pub mod ids;
-pub mod keyspace;
 
 #[cfg(feature = "coordinator")]
 pub mod demo;

@@ -12,8 +12,8 @@ use std::sync::Mutex;
 ///
 /// ```
 /// # tokio_test_block_on(async {
-/// use tenure::fence::{FenceStore, MemoryFence};
-/// use tenure::ids::{FencingToken, PartitionId};
+/// use tenure_core::fence::{FenceStore, MemoryFence};
+/// use tenure_core::ids::{FencingToken, PartitionId};
 /// let store = MemoryFence::default();
 /// let p = PartitionId(2);
 /// store.write(p, FencingToken(5), b"balance", b"100").await.unwrap();

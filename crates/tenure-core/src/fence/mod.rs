@@ -18,8 +18,8 @@
 //!
 //! ```
 //! # tokio_test_block_on(async {
-//! use tenure::fence::{FenceStore, MemoryFence, FenceError};
-//! use tenure::ids::{FencingToken, PartitionId};
+//! use tenure_core::fence::{FenceStore, MemoryFence, FenceError};
+//! use tenure_core::ids::{FencingToken, PartitionId};
 //! let store = MemoryFence::default();
 //! let p = PartitionId(7);
 //! store.write(p, FencingToken(10), b"k", b"from the old owner").await.unwrap();
@@ -33,15 +33,15 @@
 //! ```
 
 mod memory;
-#[cfg(feature = "fence-postgres")]
+#[cfg(feature = "postgres")]
 mod postgres;
-#[cfg(feature = "fence-rocksdb")]
+#[cfg(feature = "rocksdb")]
 mod rocks;
 
 pub use memory::MemoryFence;
-#[cfg(feature = "fence-postgres")]
+#[cfg(feature = "postgres")]
 pub use postgres::PostgresFence;
-#[cfg(feature = "fence-rocksdb")]
+#[cfg(feature = "rocksdb")]
 pub use rocks::RocksFence;
 
 use crate::ids::{FencingToken, PartitionId};
@@ -52,8 +52,8 @@ use std::future::Future;
 /// partition. `Backend` says nothing about ownership; the operation may be retried.
 ///
 /// ```
-/// use tenure::fence::{FenceError, FenceTable};
-/// use tenure::ids::{FencingToken, PartitionId};
+/// use tenure_core::fence::{FenceError, FenceTable};
+/// use tenure_core::ids::{FencingToken, PartitionId};
 /// let mut fences = FenceTable::default();
 /// fences.admit(PartitionId(1), FencingToken(9)).unwrap();
 /// let err = fences.admit(PartitionId(1), FencingToken(8)).unwrap_err();
@@ -73,8 +73,8 @@ pub enum FenceError {
 /// The rule, once: accept iff `token >= highest`.
 ///
 /// ```
-/// use tenure::fence::admits;
-/// use tenure::ids::FencingToken;
+/// use tenure_core::fence::admits;
+/// use tenure_core::ids::FencingToken;
 /// assert!(admits(None, FencingToken(1))); // nothing seen yet
 /// assert!(admits(Some(FencingToken(5)), FencingToken(5))); // the same owner, writing again
 /// assert!(!admits(Some(FencingToken(5)), FencingToken(4))); // an owner that was replaced
@@ -87,8 +87,8 @@ pub fn admits(highest: Option<FencingToken>, token: FencingToken) -> bool {
 /// table in memory use it; SQL backends express the same rule in the statement.
 ///
 /// ```
-/// use tenure::fence::FenceTable;
-/// use tenure::ids::{FencingToken, PartitionId};
+/// use tenure_core::fence::FenceTable;
+/// use tenure_core::ids::{FencingToken, PartitionId};
 /// let mut fences = FenceTable::default();
 /// let p = PartitionId(3);
 /// fences.admit(p, FencingToken(20)).unwrap();
@@ -134,8 +134,8 @@ impl FenceTable {
 ///
 /// ```
 /// # tokio_test_block_on(async {
-/// use tenure::fence::{FenceError, FenceStore, MemoryFence};
-/// use tenure::ids::{FencingToken, PartitionId};
+/// use tenure_core::fence::{FenceError, FenceStore, MemoryFence};
+/// use tenure_core::ids::{FencingToken, PartitionId};
 /// async fn resume(s: &impl FenceStore, p: PartitionId, t: FencingToken) -> Result<Vec<u8>, FenceError> {
 ///     s.raise(p, t).await?;
 ///     Ok(s.checkpoint(p, t).await?.unwrap_or_default())

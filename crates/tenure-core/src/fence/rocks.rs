@@ -18,8 +18,8 @@ const STRIPES: usize = 64;
 ///
 /// ```
 /// # tokio_test_block_on(async {
-/// use tenure::fence::{FenceStore, RocksFence};
-/// use tenure::ids::{FencingToken, PartitionId};
+/// use tenure_core::fence::{FenceStore, RocksFence};
+/// use tenure_core::ids::{FencingToken, PartitionId};
 /// let dir = tempfile::tempdir().unwrap();
 /// let store = RocksFence::open(dir.path()).unwrap();
 /// store.raise(PartitionId(1), FencingToken(30)).await.unwrap();

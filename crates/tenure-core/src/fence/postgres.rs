@@ -35,9 +35,9 @@ WHERE tenure_fence.fence_token <= EXCLUDED.fence_token";
 /// One connection behind an async mutex: a transaction needs it exclusively.
 ///
 /// ```no_run
-/// # async fn example() -> Result<(), tenure::fence::FenceError> {
-/// use tenure::fence::{FenceStore, PostgresFence};
-/// use tenure::ids::{FencingToken, PartitionId};
+/// # async fn example() -> Result<(), tenure_core::fence::FenceError> {
+/// use tenure_core::fence::{FenceStore, PostgresFence};
+/// use tenure_core::ids::{FencingToken, PartitionId};
 /// let store = PostgresFence::connect("host=127.0.0.1 user=postgres dbname=tenure").await?;
 /// let (p, token) = (PartitionId(0), FencingToken(12));
 /// store.raise(p, token).await?; // fence first, then read where to resume
@@ -98,14 +98,14 @@ impl PostgresFence {
     /// never runs; if `work` fails, nothing commits, the fence included.
     ///
     /// ```no_run
-    /// # async fn example(fence: &tenure::fence::PostgresFence) -> Result<(), tenure::fence::FenceError> {
-    /// use tenure::ids::{FencingToken, PartitionId};
+    /// # async fn example(fence: &tenure_core::fence::PostgresFence) -> Result<(), tenure_core::fence::FenceError> {
+    /// use tenure_core::ids::{FencingToken, PartitionId};
     /// let inserted = fence
     ///     .transaction(PartitionId(3), FencingToken(41), |tx| {
     ///         Box::pin(async move {
     ///             tx.execute("INSERT INTO invoices (customer_id) VALUES (7)", &[])
     ///                 .await
-    ///                 .map_err(|e| tenure::fence::FenceError::Backend(e.to_string()))
+    ///                 .map_err(|e| tenure_core::fence::FenceError::Backend(e.to_string()))
     ///         })
     ///     })
     ///     .await?;

@@ -15,7 +15,7 @@
 //! | `"abc"`   | `0x44bc2cf5ad770999` | 68               |
 //!
 //! ```
-//! use tenure::keyspace::{hash_key, KeySpace};
+//! use tenure_core::keyspace::{hash_key, KeySpace};
 //! let space = KeySpace::new(256).unwrap();
 //! assert_eq!(hash_key(b""), 0xef46db3751d8e999);
 //! assert_eq!(space.partition_of_key(b"").0, 239);
