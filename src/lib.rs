@@ -14,7 +14,7 @@ pub use tenure_core::{fence, ids, keyspace};
 pub mod history;
 
 #[cfg(feature = "coordinator")]
-pub mod demo;
+pub mod fault_proxy;
 #[cfg(feature = "coordinator")]
 pub mod lease;
 #[cfg(feature = "coordinator")]
@@ -29,6 +29,8 @@ pub mod placement;
 pub mod proto;
 #[cfg(feature = "coordinator")]
 pub mod raft;
+#[cfg(feature = "coordinator")]
+pub mod recording;
 #[cfg(feature = "coordinator")]
 pub mod server;
 #[cfg(feature = "coordinator")]

@@ -1,8 +1,8 @@
 //! A coordinator cluster of real nodes in one process, each on its own loopback port with its
 //! own RocksDB directory. Used by `tenure demo`, the cluster tests, examples and benchmarks.
 
+use crate::fault_proxy::FaultProxy;
 use crate::ids::NodeId;
-use crate::nemesis::FaultProxy;
 use crate::proto;
 use crate::server::{self, NodeConfig, RunningNode};
 use crate::worker::{Client, ClientError};
@@ -225,4 +225,18 @@ async fn bind_again(addr: SocketAddr) -> Result<TcpListener, server::NodeError> 
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Err(server::NodeError::Config(format!("cannot bind {addr} again: {:?}", last)))
+}
+
+/// Every partition owned and not revoking, by exactly `sessions` live sessions, within one.
+pub fn is_settled(status: &proto::StatusResponse, sessions: usize) -> bool {
+    let live: Vec<_> = status.sessions.iter().filter(|s| !s.leaving).collect();
+    if live.len() != sessions || status.partitions.is_empty() {
+        return false;
+    }
+    if status.partitions.iter().any(|p| p.owner == 0 || p.revoking) {
+        return false;
+    }
+    let counts: Vec<u32> = live.iter().map(|s| s.owned).collect();
+    let (min, max) = (counts.iter().min().copied().unwrap_or(0), counts.iter().max().copied().unwrap_or(0));
+    max - min <= 1 && status.sessions.len() == sessions
 }

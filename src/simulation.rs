@@ -800,7 +800,9 @@ impl Sim {
         self.leases.adopt(self.state.config());
         self.leases.observe(now, &events);
         for event in &events {
-            let Some((partition, session, token, decision)) = event.decision() else { continue };
+            let Some((partition, session, token, decision)) = crate::recording::decision(event) else {
+                continue;
+            };
             self.history.coordinator.push(Committed {
                 node: 1,
                 index: self.index,
@@ -964,7 +966,10 @@ impl Sim {
             for (node, state) in [(2, &mut follower), (3, &mut lagging)] {
                 let (_, events) = state.apply(*index, command);
                 for event in &events {
-                    let Some((partition, session, token, decision)) = event.decision() else { continue };
+                    let Some((partition, session, token, decision)) = crate::recording::decision(event)
+                    else {
+                        continue;
+                    };
                     self.history.coordinator.push(Committed {
                         node,
                         index: *index,
@@ -982,7 +987,7 @@ impl Sim {
 
     fn finish(mut self, recovered_ms: Option<u64>, events: u64) -> SimOutcome {
         let follower = self.replay_on_followers();
-        self.history.final_table = follower.final_table();
+        self.history.final_table = crate::recording::final_table(&follower);
         self.history.live_sessions =
             self.workers.iter().filter_map(|w| w.session.map(|s| (w.name.clone(), s))).collect();
         self.history.recovered_after_ms = recovered_ms;

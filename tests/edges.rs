@@ -174,7 +174,10 @@ async fn leaving_ends_belief_before_any_partition_moves() {
     let leave = tokio::spawn(async move { a.leave().await.expect("left") });
     // The first thing the leave does to the table (revoking every partition) comes after the
     // worker stopped believing, not only the releases that let others have them.
-    first_applied(&mut feeds, move |e| e.decision().is_some_and(|(_, s, _, _)| s == session)).await;
+    first_applied(&mut feeds, move |e| {
+        tenure::recording::decision(e).is_some_and(|(_, s, _, _)| s == session)
+    })
+    .await;
     withdrawn(&handles, "when the leave's first decision was applied");
     leave.await.unwrap();
     // Every partition reports its one terminal event, Released.

@@ -12,8 +12,8 @@ mod common;
 use common::*;
 use std::collections::BTreeMap;
 use std::time::Duration;
-use tenure::demo::is_settled;
 use tenure::ids::{FencingToken, PartitionId};
+use tenure::local_cluster::is_settled;
 use tenure::local_cluster::LocalCluster;
 use tenure::worker::{Worker, WorkerEvent};
 

@@ -39,13 +39,12 @@
 
 mod coordinators;
 mod processes;
-mod proxy;
 mod remote_store;
 mod worker_process;
 pub(crate) mod workload;
 
+pub use crate::fault_proxy::FaultProxy;
 pub use processes::{ProcessCluster, ProcessError, ServeSettings};
-pub use proxy::FaultProxy;
 pub use remote_store::{serve_store, RemoteStore};
 pub use worker_process::{run_worker_process, WorkerProcessArgs};
 
@@ -470,7 +469,10 @@ impl CoordinatorRecorder {
                 let at_ns = clock.now_ns();
                 let mut records = records.lock().expect("recorder lock poisoned");
                 for event in &entry.events {
-                    let Some((partition, session, token, decision)) = event.decision() else { continue };
+                    let Some((partition, session, token, decision)) = crate::recording::decision(event)
+                    else {
+                        continue;
+                    };
                     records.push(Committed {
                         node: id,
                         index: entry.index,
@@ -664,7 +666,10 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
                 .map_err(|e| NemesisError::Replay(id, e))?;
             for entry in replayed {
                 for event in &entry.events {
-                    let Some((partition, session, token, decision)) = event.decision() else { continue };
+                    let Some((partition, session, token, decision)) = crate::recording::decision(event)
+                    else {
+                        continue;
+                    };
                     let index = entry.index;
                     records.push(Committed {
                         node: id,

@@ -101,26 +101,3 @@ pub enum Event {
     Released { partition: PartitionId, session: SessionId, token: FencingToken },
     Lost { partition: PartitionId, session: SessionId, token: FencingToken, reason: LossReason },
 }
-
-impl Event {
-    /// What the event did to a partition, as a recorded history names it; `None` for session
-    /// events.
-    pub fn decision(&self) -> Option<(PartitionId, SessionId, FencingToken, crate::history::Decision)> {
-        use crate::history::Decision;
-        match *self {
-            Event::Granted { partition, session, token } => {
-                Some((partition, session, token, Decision::Granted))
-            }
-            Event::Revoking { partition, session, token } => {
-                Some((partition, session, token, Decision::Revoking))
-            }
-            Event::Released { partition, session, token } => {
-                Some((partition, session, token, Decision::Released))
-            }
-            Event::Lost { partition, session, token, .. } => {
-                Some((partition, session, token, Decision::Lost))
-            }
-            Event::SessionStarted { .. } | Event::SessionEnded { .. } => None,
-        }
-    }
-}

@@ -77,16 +77,6 @@ impl From<StateData> for OwnershipState {
 }
 
 impl OwnershipState {
-    /// The table as a history records it: every partition's owner and token.
-    pub fn final_table(&self) -> Vec<crate::history::FinalRow> {
-        let row = |(p, r): (usize, &PartitionRecord)| crate::history::FinalRow {
-            partition: PartitionId(p as u32),
-            owner: r.owner,
-            token: r.token,
-        };
-        self.partitions.iter().enumerate().map(row).collect()
-    }
-
     /// Rebuilds a state from persisted parts (the store's load path).
     pub fn from_parts(
         config: Option<Config>,

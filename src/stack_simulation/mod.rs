@@ -413,7 +413,7 @@ fn add_node(
                         let at_ns = clock.now_ns();
                         let mut committed = shared.committed.lock().expect("committed");
                         for event in &entry.events {
-                            let Some((partition, session, token, decision)) = event.decision() else { continue };
+                            let Some((partition, session, token, decision)) = crate::recording::decision(event) else { continue };
                             committed.push(Committed { node: id, index: entry.index, at_ns, partition, session, token, decision });
                         }
                     }
@@ -430,7 +430,7 @@ fn add_node(
 fn publish_state(node: &server::RunningNode) -> Published {
     let metrics = node.raft().metrics().borrow().clone();
     let applied = node.node.state.read().expect("state lock poisoned");
-    let rows = applied.state.final_table();
+    let rows = crate::recording::final_table(&applied.state);
     Published {
         leader: metrics.current_leader == Some(node.node.config.id)
             && metrics.state == openraft::ServerState::Leader,

@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::{Duration, Instant};
-use tenure::demo::is_settled;
 use tenure::ids::{FencingToken, PartitionId};
+use tenure::local_cluster::is_settled;
 use tenure::local_cluster::LocalCluster;
 use tenure::proto::StatusResponse;
 use tenure::server::NodeConfig;

@@ -2,14 +2,14 @@
 //! temporary data directory. Workers join, one more joins, one leaves, one dies; every ownership
 //! change is printed with its token as the workers see it.
 
-use crate::local_cluster::LocalCluster;
-use crate::proto::StatusResponse;
-use crate::worker::{Worker, WorkerConfig, WorkerEvent};
 use anyhow::{bail, Context, Result};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tenure::local_cluster::{is_settled, LocalCluster};
+use tenure::proto::StatusResponse;
+use tenure::worker::{Worker, WorkerConfig, WorkerEvent};
 
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -164,20 +164,6 @@ fn believes_table(worker: &Worker, status: &StatusResponse) -> bool {
         .collect();
     let have: Vec<(u32, u64)> = worker.owned().iter().map(|(p, t)| (p.0, t.0)).collect();
     have == want
-}
-
-/// Every partition owned and not revoking, by exactly `sessions` live sessions, within one.
-pub fn is_settled(status: &StatusResponse, sessions: usize) -> bool {
-    let live: Vec<_> = status.sessions.iter().filter(|s| !s.leaving).collect();
-    if live.len() != sessions || status.partitions.is_empty() {
-        return false;
-    }
-    if status.partitions.iter().any(|p| p.owner == 0 || p.revoking) {
-        return false;
-    }
-    let counts: Vec<u32> = live.iter().map(|s| s.owned).collect();
-    let (min, max) = (counts.iter().min().copied().unwrap_or(0), counts.iter().max().copied().unwrap_or(0));
-    max - min <= 1 && status.sessions.len() == sessions
 }
 
 /// The status as a table for operators.

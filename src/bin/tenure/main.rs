@@ -1,6 +1,8 @@
 //! The `tenure` binary: `serve` runs a coordinator node, `demo` runs a whole cluster with
 //! workers in one process, `ctl` shows a cluster's members, leader and partition table.
 
+mod demo;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use std::collections::BTreeMap;
@@ -267,12 +269,7 @@ async fn main() -> Result<()> {
     match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Demo(args) => {
-            tenure::demo::run(
-                args.partitions,
-                Duration::from_millis(args.lease_ttl_ms),
-                &mut std::io::stdout(),
-            )
-            .await
+            demo::run(args.partitions, Duration::from_millis(args.lease_ttl_ms), &mut std::io::stdout()).await
         }
         Command::Ctl(args) => ctl(args).await,
         Command::Nemesis(args) => nemesis(args).await,
@@ -392,7 +389,7 @@ async fn ctl(args: CtlArgs) -> Result<()> {
     match args.what {
         CtlCommand::Status => {
             let status = client.status().await?;
-            print!("{}", tenure::demo::render_status(&status));
+            print!("{}", demo::render_status(&status));
         }
     }
     Ok(())
