@@ -4,6 +4,20 @@
 #![allow(clippy::all, missing_docs)]
 tonic::include_proto!("tenure.v1");
 
+/// The Raft transport between coordinator nodes (`proto/peer.proto`): not the public API.
+#[cfg(feature = "coordinator")]
+pub mod peer {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("tenure.peer.v1");
+}
+
+/// The fault harness's fenced store (`proto/harness.proto`): test kit only.
+#[cfg(feature = "coordinator")]
+pub mod harness {
+    #![allow(clippy::all, missing_docs)]
+    tonic::include_proto!("tenure.harness.v1");
+}
+
 /// Metadata key carrying the leader's address on a "not the leader" error.
 pub const LEADER_METADATA: &str = "tenure-leader";
 /// Metadata key carrying the error's kind (`unknown_session`, `wrong_secret`, ...), so clients

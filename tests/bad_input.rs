@@ -4,9 +4,10 @@
 mod common;
 
 use common::*;
+use tenure::proto;
 use tenure::proto::coordinator_client::CoordinatorClient;
-use tenure::proto::raft_transport_client::RaftTransportClient;
-use tenure::proto::{self, RaftPayload};
+use tenure::proto::peer::raft_transport_client::RaftTransportClient;
+use tenure::proto::peer::RaftPayload;
 use tenure::server::{NodeConfig, ERROR_METADATA};
 use tonic::Code;
 

@@ -8,10 +8,10 @@
 
 use crate::fence::{FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId};
-use crate::proto::fence_call::Op;
-use crate::proto::fenced_store_client::FencedStoreClient;
-use crate::proto::fenced_store_server::{FencedStore, FencedStoreServer};
-use crate::proto::{FenceAnswer, FenceCall};
+use crate::proto::harness::fence_call::Op;
+use crate::proto::harness::fenced_store_client::FencedStoreClient;
+use crate::proto::harness::fenced_store_server::{FencedStore, FencedStoreServer};
+use crate::proto::harness::{FenceAnswer, FenceCall};
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;

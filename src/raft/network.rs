@@ -3,8 +3,8 @@
 //! remote errors and transport failures as unreachable.
 
 use crate::ids::NodeId;
-use crate::proto::raft_transport_client::RaftTransportClient;
-use crate::proto::RaftPayload;
+use crate::proto::peer::raft_transport_client::RaftTransportClient;
+use crate::proto::peer::RaftPayload;
 use crate::raft::TypeConfig;
 use crate::transport::Dialer;
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};

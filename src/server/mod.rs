@@ -20,7 +20,7 @@ pub use error::{CoordinatorError, ERROR_METADATA, LEADER_METADATA};
 use crate::ids::NodeId;
 use crate::ownership::{Command, Response};
 use crate::proto::coordinator_server::CoordinatorServer;
-use crate::proto::raft_transport_server::RaftTransportServer;
+use crate::proto::peer::raft_transport_server::RaftTransportServer;
 use crate::raft::network::{Network, MAX_RAFT_MESSAGE_BYTES};
 use crate::raft::Raft;
 use crate::store::{LogStore, SharedState, StateMachineStore};

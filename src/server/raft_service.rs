@@ -1,7 +1,7 @@
 //! The receiving end of the Raft transport: decode, hand to openraft, encode its `Result`.
 
-use crate::proto::raft_transport_server::RaftTransport;
-use crate::proto::RaftPayload;
+use crate::proto::peer::raft_transport_server::RaftTransport;
+use crate::proto::peer::RaftPayload;
 use crate::raft::Raft;
 use tonic::{Request, Response, Status};
 
