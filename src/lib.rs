@@ -6,20 +6,22 @@
 //!
 //! Features: the core types, the key space and the [`fence`] check (the `tenure-core` crate,
 //! re-exported here) are always built and pull in nothing heavy; `fence-rocksdb` and `fence-postgres` add fenced stores; `worker` adds the
-//! worker library; `coordinator` (the default) adds the replicated coordinator and the binary.
+//! worker library; `coordinator` adds the replicated coordinator as a library (`server::start`);
+//! `harness` adds the test kit (local cluster, fault proxy, nemesis, model simulation); `cli` (the
+//! default) adds the `tenure` binary.
 //! [`history`] records what a run did and checks it against the invariants.
 
 pub use tenure_core::{fence, ids, keyspace};
 
 pub mod history;
 
-#[cfg(feature = "coordinator")]
+#[cfg(feature = "harness")]
 pub mod fault_proxy;
 #[cfg(feature = "coordinator")]
 pub mod lease;
-#[cfg(feature = "coordinator")]
+#[cfg(feature = "harness")]
 pub mod local_cluster;
-#[cfg(feature = "coordinator")]
+#[cfg(feature = "harness")]
 pub mod nemesis;
 #[cfg(feature = "coordinator")]
 pub mod ownership;
@@ -29,11 +31,11 @@ pub mod placement;
 pub mod proto;
 #[cfg(feature = "coordinator")]
 pub mod raft;
-#[cfg(feature = "coordinator")]
+#[cfg(feature = "harness")]
 pub mod recording;
 #[cfg(feature = "coordinator")]
 pub mod server;
-#[cfg(feature = "coordinator")]
+#[cfg(feature = "harness")]
 pub mod simulation;
 #[cfg(feature = "simulation")]
 pub mod stack_simulation;

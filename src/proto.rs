@@ -12,7 +12,7 @@ pub mod peer {
 }
 
 /// The fault harness's fenced store (`proto/harness.proto`): test kit only.
-#[cfg(feature = "coordinator")]
+#[cfg(feature = "harness")]
 pub mod harness {
     #![allow(clippy::all, missing_docs)]
     tonic::include_proto!("tenure.harness.v1");
