@@ -93,11 +93,6 @@ impl LeaseTable {
         table
     }
 
-    /// Whether the table runs on the cluster's replicated TTL.
-    pub fn configured(&self) -> bool {
-        self.configured
-    }
-
     /// Takes the cluster's TTL from its applied configuration, once; returns whether it did now.
     pub fn adopt(&mut self, config: Option<crate::ownership::Config>) -> bool {
         match (self.configured, config) {

@@ -69,6 +69,18 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
         .await
         .unwrap_err();
     assert_eq!(kind(&err), "wrong_secret");
+    // A token list that does not match the partitions is refused before it becomes an entry.
+    let err = client
+        .release(proto::ReleaseRequest {
+            session_id,
+            secret: "not-it".into(),
+            partitions: vec![0, 1],
+            all: false,
+            tokens: vec![5],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"));
 
     let err = client.watch(proto::WatchRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
     assert_eq!(kind(&err), "wrong_secret");

@@ -127,3 +127,31 @@ fn a_first_heartbeat_that_overtakes_the_sessions_start_is_renewed() {
     assert!(table.due(t0 + TTL - MS).is_empty());
     assert_eq!(table.due(t0 + TTL).sessions, vec![a]);
 }
+
+#[test]
+fn a_new_term_judges_by_the_clusters_ttl_whatever_the_nodes_flag_says() {
+    let t0 = Instant::now();
+    // A configured cluster (1 s TTL, from `state_with_two_sessions`): a node started with 4 s,
+    // or with 250 ms, still judges by 1 s.
+    let (state, a, _) = state_with_two_sessions();
+    for flag in [Duration::from_secs(4), Duration::from_millis(250)] {
+        let mut table = LeaseTable::for_new_term(t0, &state, flag);
+        assert_eq!(table.ttl(), TTL);
+        assert!(table.due(t0 + TTL - MS).is_empty());
+        assert_eq!(table.due(t0 + TTL).sessions.len(), 2);
+        assert!(!table.adopt(state.config()), "already on the cluster's TTL");
+    }
+    // Before the configuration is applied, the table starts from the value the node proposes,
+    // and takes the cluster's the moment the configuration is seen, once.
+    let unconfigured = OwnershipState::default();
+    let mut table = LeaseTable::for_new_term(t0, &unconfigured, Duration::from_secs(4));
+    assert_eq!(table.ttl(), Duration::from_secs(4));
+    assert!(!table.adopt(unconfigured.config()));
+    assert!(table.adopt(state.config()));
+    assert_eq!(table.ttl(), TTL);
+    assert!(!table.adopt(state.config()));
+    // A session it meets from now on (a first heartbeat) runs on the cluster's TTL.
+    assert!(table.renew(a, t0));
+    assert!(table.due(t0 + TTL - MS).is_empty());
+    assert_eq!(table.due(t0 + TTL).sessions, vec![a]);
+}

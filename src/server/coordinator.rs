@@ -328,6 +328,11 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<proto::ReleaseResponse>, Status> {
         let req = req.into_inner();
         check_secret(&req.secret)?;
+        // Refused here, as apply would refuse it, rather than as a log entry.
+        if !req.tokens.is_empty() && req.tokens.len() != req.partitions.len() {
+            let why = format!("{} tokens for {} partitions", req.tokens.len(), req.partitions.len());
+            return Err(CoordinatorError::InvalidArgument(why).into());
+        }
         self.node.ensure_leader()?;
         let count = {
             let applied = self.node.state.read().expect("state lock poisoned");

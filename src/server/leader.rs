@@ -163,23 +163,25 @@ pub(crate) fn config_differs(config: &super::NodeConfig, have: crate::ownership:
 fn observe(node: &Node, applied: &AppliedEvent) {
     // Every replica counts the decisions it applies, labelled with its id: the same decision is
     // counted once per node, so read one node's series (or the maximum over nodes), not the sum.
-    let id = node.config.id.to_string();
+    // One registry lookup per kind and batch, not per event: a join can grant a million.
+    let mut counts = [0u64; 4];
     for event in &applied.events {
-        let name = match event {
-            Event::Granted { .. } => "tenure_grants_total",
-            Event::Revoking { .. } => "tenure_revokes_total",
-            Event::Released { .. } => "tenure_releases_total",
-            Event::Lost { .. } => "tenure_expiries_total",
-            Event::SessionStarted { .. } | Event::SessionEnded { .. } => continue,
-        };
-        metrics::counter!(name, "node" => id.clone()).increment(1);
+        match event {
+            Event::Granted { .. } => counts[0] += 1,
+            Event::Revoking { .. } => counts[1] += 1,
+            Event::Released { .. } => counts[2] += 1,
+            Event::Lost { .. } => counts[3] += 1,
+            Event::SessionStarted { .. } | Event::SessionEnded { .. } => {}
+        }
     }
-    // Until the configuration is applied (once per cluster, before any session), each applied
-    // batch looks for it. The state is read before the lease lock is taken, as everywhere else.
-    let unconfigured =
-        node.leases.lock().expect("lease lock poisoned").as_ref().is_some_and(|l| !l.table.configured());
-    let config =
-        if unconfigured { node.state.read().expect("state lock poisoned").state.config() } else { None };
+    let names =
+        ["tenure_grants_total", "tenure_revokes_total", "tenure_releases_total", "tenure_expiries_total"];
+    let id = node.config.id.to_string();
+    for (name, n) in names.into_iter().zip(counts).filter(|(_, n)| *n > 0) {
+        metrics::counter!(name, "node" => id.clone()).increment(n);
+    }
+    // The state is read before the lease lock is taken, as everywhere else.
+    let config = node.state.read().expect("state lock poisoned").state.config();
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
         if leadership.table.adopt(config) {
@@ -242,6 +244,12 @@ pub(crate) async fn run_renewals(
         let term = node.current_term();
         let applied = node.state.read().expect("state lock poisoned");
         let mut leases = node.leases.lock().expect("lease lock poisoned");
+        // A renewal may start a session the table has not seen yet (its first heartbeat
+        // overtook the applied join): it must be judged by the cluster's TTL, even if the
+        // duty loop has not yet seen the configuration applied.
+        if let Some(leadership) = leases.as_mut() {
+            leadership.table.adopt(applied.state.config());
+        }
         let mut answers = Vec::with_capacity(batch.len());
         let mut wanted: HashMap<crate::ids::SessionId, Vec<(u32, u64)>> = HashMap::new();
         for r in batch {
