@@ -435,8 +435,9 @@ fn durability(history: &History, log: &[Committed]) -> Verdict {
         .map(|c| (c.partition, c.session, c.token))
         .collect();
     // Every token the store accepted for a partition was granted for it by a committed entry.
+    let tokens: BTreeSet<(PartitionId, FencingToken)> = granted.iter().map(|(p, _, t)| (*p, *t)).collect();
     for r in history.store.iter().filter(|r| r.accepted && r.token.0 > 0) {
-        if !granted.iter().any(|(p, _, t)| *p == r.partition && *t == r.token) {
+        if !tokens.contains(&(r.partition, r.token)) {
             v.violation(format!(
                 "the store accepted token {} for {} at #{}, which no committed entry granted",
                 r.token, r.partition, r.seq
