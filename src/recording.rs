@@ -4,7 +4,7 @@
 //! It sits beside `ownership` and `history` rather than in either, so that the state machine
 //! knows nothing of histories and a history stays checkable with nothing but its own types.
 
-use crate::history::{Decision, FinalRow};
+use crate::history::{Committed, Decision, FinalRow};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::ownership::{Event, OwnershipState};
 
@@ -22,6 +22,26 @@ pub fn decision(event: &Event) -> Option<(PartitionId, SessionId, FencingToken, 
         Event::Lost { partition, session, token, .. } => Some((partition, session, token, Decision::Lost)),
         Event::SessionStarted { .. } | Event::SessionEnded { .. } => None,
     }
+}
+
+/// The decisions of the entry at `index`, as replica `node` applied it at `at_ns` (0 for
+/// decisions read back from a log, which carry no time).
+pub fn committed(
+    node: u64,
+    index: u64,
+    at_ns: u64,
+    events: &[Event],
+) -> impl Iterator<Item = Committed> + '_ {
+    events.iter().filter_map(move |event| {
+        let (partition, session, token, decision) = decision(event)?;
+        Some(Committed { node, index, at_ns, partition, session, token, decision })
+    })
+}
+
+/// The highest log index recorded for `node`: where a `Resumed` stretch starts. A scan, but only
+/// on a snapshot install or a recorder's fresh start.
+pub fn highest_index(records: &[Committed], node: u64) -> u64 {
+    records.iter().filter(|c| c.node == node).map(|c| c.index).max().unwrap_or(0)
 }
 
 /// The table as a history records it: every partition's owner and token.

@@ -25,7 +25,7 @@
 //! (`crate::nemesis`) runs those for real.
 
 use crate::fence::FenceTable;
-use crate::history::{self, Committed, Fault, History, Resumed, StoreRecord, WorkerOp, WorkerRecord};
+use crate::history::{self, Fault, History, Resumed, StoreRecord, WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::lease::LeaseTable;
 use crate::ownership::{Command, Event, OwnershipState, Response};
@@ -415,12 +415,8 @@ impl Sim {
             5 if joined => {
                 // Of its own accord, not after a revoke: one or two believed partitions.
                 let now = self.clock(w, self.now);
-                let believed: Vec<PartitionId> = self.workers[w]
-                    .belief
-                    .held()
-                    .filter(|(_, h)| h.believed_at(now))
-                    .map(|(p, _)| p)
-                    .collect();
+                let believed: Vec<PartitionId> =
+                    self.workers[w].belief.believed_at(now).map(|(p, _)| p).collect();
                 if believed.is_empty() {
                     return;
                 }
@@ -799,19 +795,10 @@ impl Sim {
         // As the server's leader does after each applied entry.
         self.leases.adopt(self.state.config());
         self.leases.observe(now, &events);
+        let decisions = crate::recording::committed(1, self.index, self.now * 1000, &events);
+        self.history.coordinator.extend(decisions);
         for event in &events {
-            let Some((partition, session, token, decision)) = crate::recording::decision(event) else {
-                continue;
-            };
-            self.history.coordinator.push(Committed {
-                node: 1,
-                index: self.index,
-                at_ns: self.now * 1000,
-                partition,
-                session,
-                token,
-                decision,
-            });
+            let Some((_, session, _, _)) = crate::recording::decision(event) else { continue };
             // The ownership stream of the session's worker.
             if let Some(w) = self.workers.iter().position(|x| x.session == Some(session)) {
                 self.send(w, Ev::Stream { w, session, event: event.clone() });
@@ -870,8 +857,7 @@ impl Sim {
         let now = self.clock(w, self.now);
         let believed: Vec<(PartitionId, FencingToken, Instant)> = self.workers[w]
             .belief
-            .held()
-            .filter(|(_, h)| h.believed_at(now))
+            .believed_at(now)
             .map(|(p, h)| (p, h.token, h.valid_until.expect("believed")))
             .collect();
         for (p, token, until) in believed {
@@ -937,8 +923,7 @@ impl Sim {
         }
         self.workers.iter().enumerate().all(|(i, w)| {
             let now = self.clock(i, self.now);
-            let believed: BTreeSet<PartitionId> =
-                w.belief.held().filter(|(_, h)| h.believed_at(now)).map(|(p, _)| p).collect();
+            let believed: BTreeSet<PartitionId> = w.belief.believed_at(now).map(|(p, _)| p).collect();
             let rows: BTreeSet<PartitionId> = w
                 .session
                 .map(|s| self.state.owned_by(s).into_iter().map(|(p, _)| p).collect())
@@ -960,26 +945,12 @@ impl Sim {
                 let data = crate::store::encode_table_snapshot(&lagging);
                 lagging = crate::store::decode_table_snapshot(&data).expect("the snapshot format reads back");
                 let installed = self.log[..i].last().map_or(0, |(index, _)| *index);
-                let after = self.history.coordinator.iter().filter(|c| c.node == 3).map(|c| c.index).max();
-                self.history.resumed.push(Resumed { node: 3, index: installed, after: after.unwrap_or(0) });
+                let after = crate::recording::highest_index(&self.history.coordinator, 3);
+                self.history.resumed.push(Resumed { node: 3, index: installed, after });
             }
             for (node, state) in [(2, &mut follower), (3, &mut lagging)] {
                 let (_, events) = state.apply(*index, command);
-                for event in &events {
-                    let Some((partition, session, token, decision)) = crate::recording::decision(event)
-                    else {
-                        continue;
-                    };
-                    self.history.coordinator.push(Committed {
-                        node,
-                        index: *index,
-                        at_ns: 0,
-                        partition,
-                        session,
-                        token,
-                        decision,
-                    });
-                }
+                self.history.coordinator.extend(crate::recording::committed(node, *index, 0, &events));
             }
         }
         follower

@@ -417,12 +417,6 @@ impl crate::fence::FenceStore for JournaledStore {
     }
 }
 
-/// The highest log index recorded for `node` so far.
-fn highest_recorded(records: &Mutex<Vec<Committed>>, node: NodeId) -> u64 {
-    let records = records.lock().expect("recorder lock poisoned");
-    records.iter().filter(|c| c.node == node).map(|c| c.index).max().unwrap_or(0)
-}
-
 /// Follows every replica's applied decisions.
 struct CoordinatorRecorder {
     clock: Clock,
@@ -441,7 +435,8 @@ impl CoordinatorRecorder {
         let Coordinators::InProcess(cluster) = cluster else { return };
         let Some(node) = cluster.node(id) else { return };
         let (mut applied, from) = node.node.sm.subscribe_after();
-        let after = highest_recorded(&self.records, id);
+        let after =
+            crate::recording::highest_index(&self.records.lock().expect("recorder lock poisoned"), id);
         self.resumed.lock().expect("recorder lock poisoned").push(Resumed { node: id, index: from, after });
         let (clock, records, gaps, resumed) =
             (self.clock, self.records.clone(), self.gaps.clone(), self.resumed.clone());
@@ -459,30 +454,18 @@ impl CoordinatorRecorder {
                     Err(RecvError::Closed) => return,
                 };
                 if entry.snapshot {
+                    let after =
+                        crate::recording::highest_index(&records.lock().expect("recorder lock poisoned"), id);
                     resumed.lock().expect("recorder lock poisoned").push(Resumed {
                         node: id,
                         index: entry.index,
-                        after: highest_recorded(&records, id),
+                        after,
                     });
                     continue;
                 }
                 let at_ns = clock.now_ns();
                 let mut records = records.lock().expect("recorder lock poisoned");
-                for event in &entry.events {
-                    let Some((partition, session, token, decision)) = crate::recording::decision(event)
-                    else {
-                        continue;
-                    };
-                    records.push(Committed {
-                        node: id,
-                        index: entry.index,
-                        at_ns,
-                        partition,
-                        session,
-                        token,
-                        decision,
-                    });
-                }
+                records.extend(crate::recording::committed(id, entry.index, at_ns, &entry.events));
             }
         }));
     }
@@ -665,22 +648,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
             let replayed = crate::store::replay_applied(&processes.data_dir(id))
                 .map_err(|e| NemesisError::Replay(id, e))?;
             for entry in replayed {
-                for event in &entry.events {
-                    let Some((partition, session, token, decision)) = crate::recording::decision(event)
-                    else {
-                        continue;
-                    };
-                    let index = entry.index;
-                    records.push(Committed {
-                        node: id,
-                        index,
-                        at_ns: 0,
-                        partition,
-                        session,
-                        token,
-                        decision,
-                    });
-                }
+                records.extend(crate::recording::committed(id, entry.index, 0, &entry.events));
             }
         }
     }

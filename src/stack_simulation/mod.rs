@@ -253,12 +253,6 @@ struct Shared {
     worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
 }
 
-/// The highest log index recorded for `node` so far.
-fn highest_recorded(shared: &Shared, node: NodeId) -> u64 {
-    let committed = shared.committed.lock().expect("committed");
-    committed.iter().filter(|c| c.node == node).map(|c| c.index).max().unwrap_or(0)
-}
-
 fn node_name(id: NodeId) -> String {
     format!("n{id}")
 }
@@ -388,7 +382,7 @@ fn add_node(
             let addr = listener.local_addr()?;
             let node = server::start_on(node_config, addr, net::incoming(listener)).await?;
             let (mut applied, from) = node.node.sm.subscribe_after();
-            let after = highest_recorded(&shared, id);
+            let after = crate::recording::highest_index(&shared.committed.lock().expect("committed"), id);
             shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: from, after });
             let clock = Clock::Simulated;
             let mut publish = tokio::time::interval(Duration::from_millis(10));
@@ -406,16 +400,13 @@ fn add_node(
                             Err(_) => continue,
                         };
                         if entry.snapshot {
-                            let after = highest_recorded(&shared, id);
+                            let after = crate::recording::highest_index(&shared.committed.lock().expect("committed"), id);
                             shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: entry.index, after });
                             continue;
                         }
                         let at_ns = clock.now_ns();
                         let mut committed = shared.committed.lock().expect("committed");
-                        for event in &entry.events {
-                            let Some((partition, session, token, decision)) = crate::recording::decision(event) else { continue };
-                            committed.push(Committed { node: id, index: entry.index, at_ns, partition, session, token, decision });
-                        }
+                        committed.extend(crate::recording::committed(id, entry.index, at_ns, &entry.events));
                     }
                     _ = publish.tick() => {
                         let published = publish_state(&node);
@@ -719,12 +710,11 @@ impl Driver<'_> {
                     _ => Action::Drop,
                 };
                 let sender = self.shared.actions.lock().expect("actions").get(&n).cloned();
-                if let Some(sender) = sender {
-                    let _ = sender.try_send(action);
-                }
+                let delivered = sender.is_some_and(|s| s.try_send(action).is_ok());
                 // The slot acts between rounds and then lingers a while; give it a TTL.
                 self.advance(ttl)?;
-                Ok(format!("{name} {}", workers[n]))
+                // Said as it was, so a seed's fault count cannot rest on an action never taken.
+                Ok(format!("{name} {}{}", workers[n], if delivered { "" } else { " (not delivered)" }))
             }
             SimFault::SlowNetwork => {
                 let delay = jitter(rng, Duration::from_millis(5), election / 2);

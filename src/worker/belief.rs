@@ -141,9 +141,9 @@ impl Belief {
         self.held.iter().map(|(p, h)| (*p, h))
     }
 
-    /// The grant of `partition`, if it is believed at `now`.
-    pub fn believed(&self, partition: PartitionId, now: Instant) -> Option<&Held> {
-        self.held.get(&partition).filter(|h| h.believed_at(now))
+    /// The grants believed at `now`.
+    pub fn believed_at(&self, now: Instant) -> impl Iterator<Item = (PartitionId, &Held)> + '_ {
+        self.held().filter(move |(_, h)| h.believed_at(now))
     }
 
     /// Until when grant `token` of `partition` is believed, if it was confirmed and is still held.
@@ -366,7 +366,7 @@ impl Belief {
 
 #[cfg(test)]
 mod tests {
-    //! The rules with made-up instants; the library's own tests (`worker::tests`) drive them
+    //! The rules with made-up instants; the library's own tests (`worker::shared::tests`) drive them
     //! through its tasks' entry points.
 
     use super::*;
