@@ -103,7 +103,7 @@ impl Worker {
         &self,
         every: Duration,
     ) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
+        let (client, shared) = (self.client.clone(), self.shared.clone());
         let request = proto::HeartbeatRequest {
             session_id: self.session.0,
             secret: self.secret.clone(),
@@ -128,7 +128,6 @@ impl Worker {
                     stream.as_mut().expect("opened above").beat(&client, request.clone()).await
                 };
                 let result = tokio::select! {
-                    _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
                     r = tokio::time::timeout(patience, attempt) => r,
                 };
@@ -185,7 +184,6 @@ impl Worker {
                     }
                 };
                 tokio::select! {
-                    _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}
                     _ = shared.kick.notified() => {}

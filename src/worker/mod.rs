@@ -265,7 +265,7 @@ impl Worker {
 
     /// The deadline task: drops every lease whose local deadline has passed.
     fn deadline_loop(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let (shared, cancel) = (self.shared.clone(), self.cancel.clone());
+        let shared = self.shared.clone();
         async move {
             // A scan costs what the worker holds, so it runs when the earliest deadline comes
             // (renewals only move deadlines later) or a lease is confirmed for the first time,
@@ -275,7 +275,7 @@ impl Worker {
                 let next = shared.check_deadlines(Instant::now());
                 let wake = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
                 tokio::select! {
-                    _ = cancel.cancelled() => return,
+                    _ = shared.session_over.cancelled() => return,
                     _ = tokio::time::sleep_until(wake) => {}
                     _ = shared.confirmed.notified() => {}
                 }

@@ -164,12 +164,6 @@ impl Shared {
         local.belief.release_settled(partitions, Instant::now());
     }
 
-    /// Drops the grant `token` of `partition` after a release.
-    #[cfg(test)]
-    pub(super) fn released(self: &Arc<Self>, partition: PartitionId, token: FencingToken) {
-        self.step(|b, now| ((), b.released(partition, token, now)));
-    }
-
     pub(super) fn streamed(self: &Arc<Self>, event: &proto::OwnershipEvent) {
         let (partition, token) = (PartitionId(event.partition), FencingToken(event.token));
         self.step(|b, now| {
@@ -237,7 +231,7 @@ mod tests {
         let sent = Instant::now();
         s.renewed(sent, &lease(1, 5));
         assert_eq!(assigned(&mut rx), 1);
-        s.released(PartitionId(1), FencingToken(5));
+        stream(&s, Kind::Released, 1, 5);
         // The answer to a heartbeat sent before the release arrives after it.
         s.renewed(sent, &lease(1, 5));
         assert_eq!(assigned(&mut rx), 0);
@@ -259,13 +253,16 @@ mod tests {
         s.withdraw(Some(&[PartitionId(1)]));
         s.renewed(Instant::now(), &lease(1, 18));
         assert_eq!(assigned(&mut rx), 2);
-        s.released(PartitionId(1), FencingToken(3)); // the stream's late word on the release
+        stream(&s, Kind::Released, 1, 3); // the stream's late word on the release
         assert!(s.valid_until(PartitionId(1), FencingToken(18)).is_some());
     }
 
+    fn stream(s: &Arc<Shared>, kind: Kind, p: u32, token: u64) {
+        s.streamed(&proto::OwnershipEvent { kind: kind as i32, partition: p, token, ..Default::default() });
+    }
+
     fn announce(s: &Arc<Shared>, p: u32, token: u64) {
-        let kind = Kind::Assigned as i32;
-        s.streamed(&proto::OwnershipEvent { kind, partition: p, token, ..Default::default() });
+        stream(s, Kind::Assigned, p, token);
     }
 
     #[test]
@@ -318,7 +315,8 @@ mod tests {
         let (s, _rx) = shared();
         // Sent 100 ms before the answer is taken in: a lease counted from the answer would end
         // 100 ms later than the rule says.
-        let Some(sent) = Instant::now().checked_sub(Duration::from_millis(100)) else { return };
+        let sent =
+            Instant::now().checked_sub(Duration::from_millis(100)).expect("a monotonic clock past 100 ms");
         s.renewed(sent, &lease(1, 5));
         let (ttl, margin) = {
             let l = s.local.lock().unwrap();
@@ -383,7 +381,7 @@ mod tests {
     #[test]
     fn an_answer_older_than_the_lease_it_would_give_confirms_nothing() {
         let (s, mut rx) = shared();
-        let Some(sent) = Instant::now().checked_sub(Duration::from_secs(2)) else { return };
+        let sent = Instant::now().checked_sub(Duration::from_secs(2)).expect("a monotonic clock past 2 s");
         s.renewed(sent, &lease(3, 4));
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(3), FencingToken(4)), None);

@@ -12,7 +12,7 @@ impl Worker {
     /// heartbeats have moved to another node than the one it is on (which may be frozen or cut
     /// off without the connection saying so).
     pub(super) fn watch_loop(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let (client, shared, cancel) = (self.client.clone(), self.shared.clone(), self.cancel.clone());
+        let (client, shared) = (self.client.clone(), self.shared.clone());
         let request = proto::WatchRequest { session_id: self.session.0, secret: self.secret.clone() };
         async move {
             let (patience, most) =
@@ -24,7 +24,6 @@ impl Worker {
                     async move { c.watch(request).await }
                 });
                 let stream = tokio::select! {
-                    _ = cancel.cancelled() => return,
                     _ = shared.session_over.cancelled() => return,
                     s = tokio::time::timeout(patience, opened) => s.unwrap_or_else(|_| {
                         Err(ClientError::Unavailable(format!("no ownership stream within {patience:?}")))
@@ -36,7 +35,6 @@ impl Worker {
                         shared.watching_at(Some(&addr));
                         loop {
                             let next = tokio::select! {
-                                _ = cancel.cancelled() => return,
                                 _ = shared.session_over.cancelled() => return,
                                 n = stream.next() => n,
                                 _ = shared.moved.notified() => {
@@ -60,7 +58,7 @@ impl Worker {
                 }
                 let pause = pauses.next().unwrap_or(most);
                 tokio::select! {
-                    _ = cancel.cancelled() => return,
+                    _ = shared.session_over.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}
                 }
             }
