@@ -38,24 +38,23 @@ async fn first_applied(
     feeds: &mut [broadcast::Receiver<Arc<AppliedEvent>>],
     pick: impl Fn(&Event) -> bool,
 ) -> Event {
-    let until = Instant::now() + PATIENCE;
-    loop {
-        for feed in feeds.iter_mut() {
-            loop {
-                match feed.try_recv() {
-                    Ok(applied) => {
-                        if let Some(e) = applied.events.iter().find(|e| pick(e)) {
-                            return e.clone();
-                        }
+    let wait = async {
+        loop {
+            // Whichever node applies next; `recv` is cancel-safe, so the others lose nothing.
+            let next = feeds.iter_mut().map(|feed| Box::pin(feed.recv()));
+            let (received, _, _) = futures::future::select_all(next).await;
+            match received {
+                Ok(applied) => {
+                    if let Some(e) = applied.events.iter().find(|e| pick(e)) {
+                        return e.clone();
                     }
-                    Err(broadcast::error::TryRecvError::Lagged(_)) => continue,
-                    Err(_) => break,
                 }
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => panic!("a node stopped while watched"),
             }
         }
-        assert!(Instant::now() < until, "timed out waiting for an applied event");
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
+    };
+    tokio::time::timeout(PATIENCE, wait).await.expect("timed out waiting for an applied event")
 }
 
 /// Workers a and b on a settled table, with a's event stream and the handles a believes in.
@@ -107,14 +106,21 @@ async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
         c.status().await.ok().filter(|s| !s.partitions.is_empty())
     })
     .await;
-    // Every node comes back with a shorter TTL on its command line; one of them leads.
+    // Every node comes back with a shorter TTL and twice the partitions on its command line;
+    // one of them leads.
     for id in c.ids() {
         c.stop(id).await;
     }
     for id in c.ids() {
-        c.restart_with(id, |n| n.lease_ttl = Duration::from_millis(1000)).await.expect("restarts");
+        let restarted = c.restart_with(id, |n| {
+            n.lease_ttl = Duration::from_millis(1000);
+            n.partition_count = 48;
+        });
+        restarted.await.expect("restarts");
     }
     c.wait_for_leader(PATIENCE).await.expect("a leader among the restarted nodes");
+    let table = c.status().await.expect("status");
+    assert_eq!(table.partitions.len(), 24, "the cluster's partition count, not the flag's");
 
     let mut a = worker(&c, "a").await;
     assert_eq!(a.lease_ttl(), created, "workers are told the cluster's TTL");
@@ -125,10 +131,11 @@ async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
     let mut feeds = feeds(&c);
     let handles = valid_handles(&mut events);
     assert!(!handles.is_empty());
-    // The latest instant `a` may still believe in a partition, by its own lease arithmetic.
-    let believed_until = handles.values().filter_map(PartitionHandle::valid_until).max().expect("believed");
     let session = a.session();
     a.abandon(); // a crash: no more heartbeats
+                 // The latest instant `a` may still believe in a partition, by its own lease arithmetic, read
+                 // once no heartbeat answer can extend it any more.
+    let believed_until = handles.values().filter_map(PartitionHandle::valid_until).max().expect("believed");
     let lost = first_applied(&mut feeds, gives_away(session)).await;
     let lost_at = Instant::now();
     assert!(
@@ -198,11 +205,15 @@ async fn dropping_a_worker_ends_belief_at_once() {
     let c = cluster(dir.path()).await;
     let (a, _b, _events, handles) = two_workers(&c).await;
     assert!(!handles.is_empty());
+    let mut feeds = feeds(&c);
+    let session = a.session();
     drop(a);
     // Before anything was sent: the drop itself ended every handle.
     withdrawn(&handles, "after the drop");
     // The graceful leave the drop started hands everything over without waiting for a TTL:
-    // b holds the whole table under new grants.
+    // the first decision that gives a partition away is a release, not an expiry.
+    let given = first_applied(&mut feeds, gives_away(session)).await;
+    assert!(matches!(given, Event::Released { .. }), "{given:?}");
     settled(&c, 1).await;
     c.shutdown().await;
 }
