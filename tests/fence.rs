@@ -85,7 +85,6 @@ async fn concurrent_writers_never_let_a_lower_token_in_after_a_higher_one() {
 
 /// The harness's store served over gRPC tells the same story as the store it serves: every
 /// answer, stale ones with their highest token included, crosses the wire intact.
-#[cfg(feature = "coordinator")]
 #[tokio::test]
 async fn a_store_served_over_grpc_follows_the_rule() {
     use std::sync::Arc;

@@ -3,9 +3,9 @@
 //! store without fencing caught, and the regression the sweep found.
 //!
 //! Seeds run as `tenure simulate-stack` child processes, one process per seed, which is what
-//! makes a seed replay exactly (see `src/stack_simulation/`). `TENURE_STACK_SEEDS` sets how many
+//! makes a seed replay exactly (see `crates/tenure-testkit/src/stack_simulation/`). `TENURE_STACK_SEEDS` sets how many
 //! seeds the sweep runs and `TENURE_SIM_SEED` the first; thousands are one command:
-//! `cargo run --release --features simulation -- simulate-stack --seeds 2000`.
+//! `cargo run --release -- simulate-stack --seeds 2000`.
 
 use std::collections::BTreeSet;
 use std::process::Command;

@@ -37,11 +37,9 @@ enum Command {
     Simulate(SimulateArgs),
     /// Run the whole stack (openraft, gRPC, RocksDB, worker library) under the seeded
     /// deterministic simulation of network and clock, over many seeds, and check every history.
-    #[cfg(feature = "simulation")]
     SimulateStack(SimulateStackArgs),
     /// Run a worker that writes a counter per owned partition into a PostgreSQL-fenced store,
     /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
-    #[cfg(feature = "fence-postgres")]
     Work(WorkArgs),
     /// A worker process of a nemesis run (started by `tenure nemesis`; prints JSON lines).
     #[command(hide = true)]
@@ -66,7 +64,6 @@ struct NemesisWorkerArgs {
     write_every_ms: u64,
 }
 
-#[cfg(feature = "fence-postgres")]
 #[derive(Args)]
 struct WorkArgs {
     /// Coordinator addresses (host:port), comma separated.
@@ -198,7 +195,6 @@ struct SimulateArgs {
     no_fencing: bool,
 }
 
-#[cfg(feature = "simulation")]
 #[derive(Args)]
 struct SimulateStackArgs {
     /// First seed (also read from TENURE_SIM_SEED, to replay one).
@@ -256,7 +252,6 @@ async fn main() -> Result<()> {
     let default_level = match cli.command {
         Command::Serve(_) => "info",
         // Hundreds of simulated clusters retry through every fault: only errors are news.
-        #[cfg(feature = "simulation")]
         Command::SimulateStack(_) => "error,openraft=off",
         _ => "warn,openraft=off",
     };
@@ -274,9 +269,7 @@ async fn main() -> Result<()> {
         Command::Ctl(args) => ctl(args).await,
         Command::Nemesis(args) => nemesis(args).await,
         Command::Simulate(args) => simulate(args),
-        #[cfg(feature = "simulation")]
         Command::SimulateStack(args) => simulate_stack(args),
-        #[cfg(feature = "fence-postgres")]
         Command::Work(args) => work(args).await,
         Command::NemesisWorker(args) => {
             let args = tenure::nemesis::WorkerProcessArgs {
@@ -334,7 +327,6 @@ async fn serve(args: ServeArgs) -> Result<()> {
 /// A deliberately naive application loop: it sleeps, writes, and only then looks at whether it
 /// still owns the partition, as a program that was paused mid-loop would. The fence is what keeps
 /// its late writes out.
-#[cfg(feature = "fence-postgres")]
 async fn work(args: WorkArgs) -> Result<()> {
     use std::sync::Arc;
     use tenure::fence::{FenceError, PostgresFence};
@@ -461,7 +453,6 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "simulation")]
 fn simulate_stack(args: SimulateStackArgs) -> Result<()> {
     use tenure::stack_simulation::{run, scratch_dir, SimConfig, SimFault, SimSummary};
     let mut faults = Vec::new();
@@ -578,7 +569,6 @@ fn simulate_stack(args: SimulateStackArgs) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "simulation")]
 fn print_summary(s: &tenure::stack_simulation::SimSummary, details: bool) {
     let verdict = if s.passed { "passed" } else { "FAILED" };
     println!(

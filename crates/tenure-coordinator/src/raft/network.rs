@@ -6,7 +6,6 @@ use crate::ids::NodeId;
 use crate::proto::peer::raft_transport_client::RaftTransportClient;
 use crate::proto::peer::RaftPayload;
 use crate::raft::TypeConfig;
-use crate::transport::Dialer;
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
@@ -19,6 +18,7 @@ use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tenure_worker::transport::Dialer;
 use tonic::transport::{Channel, Endpoint};
 
 /// Largest Raft message a node sends or accepts.

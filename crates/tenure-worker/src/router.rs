@@ -14,8 +14,8 @@ use tokio_util::sync::CancellationToken;
 /// Who owns a partition right now, as far as the stream has told.
 ///
 /// ```no_run
-/// # fn example(router: &tenure::worker::Router) {
-/// use tenure::ids::PartitionId;
+/// # fn example(router: &tenure_worker::Router) {
+/// use tenure_worker::ids::PartitionId;
 /// if let Some(route) = router.route_partition(PartitionId(12)) {
 ///     let state = if route.revoking { "moving away" } else { "settled" };
 ///     println!("{} holds {} under token {} ({state})", route.worker, route.partition, route.token);
@@ -41,8 +41,8 @@ struct Table {
 /// A live routing table. Dropping it stops the stream.
 ///
 /// ```no_run
-/// # async fn example() -> Result<(), tenure::worker::ClientError> {
-/// use tenure::worker::Router;
+/// # async fn example() -> Result<(), tenure_worker::ClientError> {
+/// use tenure_worker::Router;
 /// let router = Router::connect(vec!["127.0.0.1:7001".into()])?;
 /// match router.route(b"customer-42") {
 ///     Some(route) if !route.revoking => println!("send to {}", route.worker),

@@ -1,7 +1,11 @@
-//! The worker library: join a cluster, keep the session's leases renewed, and tell the
-//! application which partitions it may act on.
+//! tenure's worker library: join a coordinator cluster, keep the session's leases renewed, and
+//! tell the application which partitions it may act on and with which fencing token.
 //!
-//! The invariant this module keeps is the worker's half of "one believer": a partition is
+//! This is the crate an application embeds. It depends on `tenure-core` (identifiers, key space,
+//! fenced stores, re-exported here) and the public gRPC API, and on no Raft, RocksDB or
+//! coordinator code; Cargo keeps it that way.
+//!
+//! The invariant this crate keeps is the worker's half of "one believer": a partition is
 //! believed held only until `t_send + ttl - safety_margin`, where `t_send` is when the renewal
 //! that confirmed it was *sent*, on this process's monotonic clock. The coordinator counts the
 //! same lease from when it *received* that renewal, which is later, so the worker stops believing
@@ -13,8 +17,8 @@
 //! code only reads events, so it can never delay a renewal.
 //!
 //! ```no_run
-//! # async fn example() -> Result<(), tenure::worker::ClientError> {
-//! use tenure::worker::{Worker, WorkerConfig, WorkerEvent};
+//! # async fn example() -> Result<(), tenure_worker::ClientError> {
+//! use tenure_worker::{Worker, WorkerConfig, WorkerEvent};
 //! let mut worker = Worker::join(WorkerConfig::new(vec!["127.0.0.1:7001".into()], "billing-1")).await?;
 //! let mut events = worker.events();
 //! while let Some(event) = events.recv().await {
@@ -27,6 +31,11 @@
 //! }
 //! # Ok(()) }
 //! ```
+
+pub use tenure_core::{fence, ids, keyspace};
+
+pub mod proto;
+pub mod transport;
 
 mod belief;
 mod client;
@@ -47,7 +56,6 @@ pub use router::{Route, Router};
 
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::KeySpace;
-use crate::proto;
 use shared::Shared;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -61,8 +69,8 @@ use tokio_util::sync::CancellationToken;
 /// stops it as a crash would.
 ///
 /// ```no_run
-/// # async fn example() -> Result<(), tenure::worker::ClientError> {
-/// use tenure::worker::{Worker, WorkerConfig};
+/// # async fn example() -> Result<(), tenure_worker::ClientError> {
+/// use tenure_worker::{Worker, WorkerConfig};
 /// let worker = Worker::join(WorkerConfig::new(vec!["127.0.0.1:7001".into()], "indexer-3")).await?;
 /// println!("session {} with a {:?} lease", worker.session(), worker.lease_ttl());
 /// for (partition, token) in worker.owned() {

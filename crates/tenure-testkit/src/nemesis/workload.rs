@@ -328,7 +328,6 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     }
 
     /// Connects with `dialer` and lets `stall` hold the slot up between checks and writes.
-    #[cfg(feature = "simulation")]
     pub(crate) fn simulated(mut self, dialer: crate::transport::Dialer, stall: Stall) -> Self {
         self.config.dialer = dialer;
         self.stall = Some(stall);

@@ -8,8 +8,8 @@ use crate::ids::{FencingToken, PartitionId};
 /// `Released`.
 ///
 /// ```
-/// use tenure::ids::{FencingToken, PartitionId};
-/// use tenure::worker::WorkerEvent;
+/// use tenure_worker::ids::{FencingToken, PartitionId};
+/// use tenure_worker::WorkerEvent;
 /// fn ended(event: &WorkerEvent) -> Option<PartitionId> {
 ///     match event {
 ///         WorkerEvent::Lost { partition, .. } | WorkerEvent::Released { partition, .. } => {

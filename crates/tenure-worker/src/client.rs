@@ -16,7 +16,7 @@ use tonic::transport::{Channel, Endpoint};
 /// Why a coordinator call failed, as seen by a worker.
 ///
 /// ```
-/// use tenure::worker::{Client, ClientError};
+/// use tenure_worker::{Client, ClientError};
 /// assert!(matches!(Client::new(Vec::new()), Err(ClientError::BadAddress(_))));
 /// assert!(ClientError::SessionExpired("s7".into()).is_session_gone()); // join again
 /// assert!(!ClientError::Unavailable("no leader".into()).is_session_gone()); // retry later
@@ -74,9 +74,9 @@ impl ClientError {
 /// Connection to a cluster. Cheap to clone; clones share the leader hint.
 ///
 /// ```no_run
-/// # async fn example() -> Result<(), tenure::worker::ClientError> {
-/// use tenure::proto::StatusRequest;
-/// use tenure::worker::Client;
+/// # async fn example() -> Result<(), tenure_worker::ClientError> {
+/// use tenure_worker::proto::StatusRequest;
+/// use tenure_worker::Client;
 /// let client = Client::new(vec!["10.0.0.1:7001".into(), "10.0.0.2:7001".into()])?;
 /// let status = client.status().await?; // the whole table, in pages
 /// let first = client.call(|mut c| async move { c.status(StatusRequest { from_partition: 0, limit: 10 }).await }).await?;

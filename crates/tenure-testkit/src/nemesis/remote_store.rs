@@ -80,10 +80,10 @@ pub async fn serve_store<S: FenceStore + 'static>(
 /// A fenced store in another process, reached over gRPC.
 ///
 /// ```no_run
-/// # async fn example() -> Result<(), tenure::fence::FenceError> {
-/// use tenure::fence::FenceStore;
-/// use tenure::ids::{FencingToken, PartitionId};
-/// let store = tenure::nemesis::RemoteStore::new("127.0.0.1:7100")?;
+/// # async fn example() -> Result<(), tenure_coordinator::fence::FenceError> {
+/// use tenure_coordinator::fence::FenceStore;
+/// use tenure_coordinator::ids::{FencingToken, PartitionId};
+/// let store = tenure_testkit::nemesis::RemoteStore::new("127.0.0.1:7100")?;
 /// store.raise(PartitionId(3), FencingToken(42)).await?; // fence before resume
 /// store.write(PartitionId(3), FencingToken(42), b"k", b"v").await?;
 /// # Ok(()) }

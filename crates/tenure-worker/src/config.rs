@@ -7,7 +7,7 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tenure::worker::WorkerConfig;
+/// use tenure_worker::WorkerConfig;
 /// let nodes = vec!["10.0.0.1:7001".to_string(), "10.0.0.2:7001".to_string()];
 /// let mut config = WorkerConfig::new(nodes, "billing-1");
 /// config.weight = 2; // about twice the partitions of a weight-1 worker

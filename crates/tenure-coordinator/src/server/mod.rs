@@ -68,7 +68,7 @@ pub struct NodeConfig {
     /// `TooManyStreams` rather than growing without bound; subscribers cannot crowd out renewals.
     pub max_streams: usize,
     /// How this node connects to its peers; TCP unless a simulation says otherwise.
-    pub dialer: crate::transport::Dialer,
+    pub dialer: tenure_worker::transport::Dialer,
 }
 
 /// How often the server pings an HTTP/2 connection, and how long it waits for the answer.
@@ -92,7 +92,7 @@ impl NodeConfig {
             dial_from: None,
             keep_whole_log: false,
             max_streams: 100_000,
-            dialer: crate::transport::Dialer::tcp(),
+            dialer: tenure_worker::transport::Dialer::tcp(),
         }
     }
 
@@ -177,6 +177,14 @@ impl Node {
         &self,
     ) -> tokio::sync::broadcast::Receiver<std::sync::Arc<crate::store::AppliedEvent>> {
         self.sm.subscribe()
+    }
+
+    /// Like [`Node::applied_events`], with the index this node had applied when it subscribed:
+    /// every entry after it reaches the receiver (for a recorder that must not miss one).
+    pub fn applied_events_after(
+        &self,
+    ) -> (tokio::sync::broadcast::Receiver<std::sync::Arc<crate::store::AppliedEvent>>, u64) {
+        self.sm.subscribe_after()
     }
 
     /// A permit for one more ownership or route stream (`heartbeats: false`) or heartbeat

@@ -2,7 +2,7 @@
 //! pure type.
 //!
 //! Every rule of belief lives here, driven by instants passed in and never by a clock read, so
-//! the worker library's tasks and the model simulation (`crate::simulation`) run the very same
+//! the worker library's tasks and the model simulation (`tenure-testkit`) run the very same
 //! code and cannot drift apart:
 //! - a grant is believed until `sent + ttl - margin`, where `sent` is when the heartbeat that
 //!   confirmed it left; a later heartbeat moves that instant forward, never back;
@@ -24,7 +24,7 @@ use tokio::time::Instant;
 /// Why a partition was lost, as carried by [`crate::worker::WorkerEvent::Lost`].
 ///
 /// ```
-/// use tenure::worker::LostReason;
+/// use tenure_worker::LostReason;
 /// fn describe(reason: LostReason) -> &'static str {
 ///     match reason {
 ///         LostReason::DeadlineExpired => "no renewal was confirmed in time",

@@ -2,7 +2,7 @@
 //!
 //! Everything that dials (a node's Raft transport, the worker library's client) asks a
 //! [`Dialer`] for its channel instead of building a TCP one itself. In production that is
-//! plain TCP. The [simulation](crate::stack_simulation) plugs in a dialer whose connections run over
+//! plain TCP. The whole-stack simulation (in `tenure-testkit`) plugs in a dialer whose connections run over
 //! turmoil's simulated network, so the very same openraft, tonic and worker code can be run
 //! under a seeded schedule of losses, delays, partitions and crashes.
 
@@ -12,7 +12,7 @@ use tonic::transport::{Channel, Endpoint};
 /// Opens channels that connect on first use.
 ///
 /// ```
-/// use tenure::transport::Dialer;
+/// use tenure_worker::transport::Dialer;
 /// let endpoint = tonic::transport::Endpoint::from_static("http://127.0.0.1:7001");
 /// # tokio::runtime::Runtime::new().unwrap().block_on(async {
 /// let _channel = Dialer::tcp().channel(endpoint); // nothing connects until the first call

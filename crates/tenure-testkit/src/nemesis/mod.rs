@@ -265,7 +265,6 @@ impl Outcome {
 #[derive(Clone, Copy)]
 pub(crate) enum Clock {
     Monotonic(Instant),
-    #[cfg(feature = "simulation")]
     Simulated,
 }
 
@@ -320,7 +319,6 @@ impl Clock {
     pub(crate) fn now_ns(&self) -> u64 {
         match self {
             Clock::Monotonic(origin) => origin.elapsed().as_nanos() as u64,
-            #[cfg(feature = "simulation")]
             Clock::Simulated => turmoil::sim_elapsed().unwrap_or_default().as_nanos() as u64,
         }
     }
@@ -329,7 +327,6 @@ impl Clock {
     pub(crate) fn at_ns(&self, t: Instant) -> u64 {
         match self {
             Clock::Monotonic(origin) => t.saturating_duration_since(*origin).as_nanos() as u64,
-            #[cfg(feature = "simulation")]
             Clock::Simulated => {
                 let now = Instant::now();
                 let now_ns = self.now_ns();
@@ -434,7 +431,7 @@ impl CoordinatorRecorder {
     fn follow(&mut self, cluster: &Coordinators, id: NodeId) {
         let Coordinators::InProcess(cluster) = cluster else { return };
         let Some(node) = cluster.node(id) else { return };
-        let (mut applied, from) = node.node.sm.subscribe_after();
+        let (mut applied, from) = node.node.applied_events_after();
         let after =
             crate::recording::highest_index(&self.records.lock().expect("recorder lock poisoned"), id);
         self.resumed.lock().expect("recorder lock poisoned").push(Resumed { node: id, index: from, after });

@@ -381,7 +381,7 @@ fn add_node(
             let listener = turmoil::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, PORT)).await?;
             let addr = listener.local_addr()?;
             let node = server::start_on(node_config, addr, net::incoming(listener)).await?;
-            let (mut applied, from) = node.node.sm.subscribe_after();
+            let (mut applied, from) = node.node.applied_events_after();
             let after = crate::recording::highest_index(&shared.committed.lock().expect("committed"), id);
             shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: from, after });
             let clock = Clock::Simulated;

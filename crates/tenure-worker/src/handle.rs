@@ -18,8 +18,8 @@ use tokio_util::sync::CancellationToken;
 /// then read the checkpoint), then work, writing through the handle.
 ///
 /// ```no_run
-/// # async fn example(handle: tenure::worker::PartitionHandle) -> Result<(), tenure::fence::FenceError> {
-/// let store = tenure::fence::MemoryFence::default(); // stands in for the application's store
+/// # async fn example(handle: tenure_worker::PartitionHandle) -> Result<(), tenure_worker::fence::FenceError> {
+/// let store = tenure_worker::fence::MemoryFence::default(); // stands in for the application's store
 /// let checkpoint = handle.acquire(&store).await?;
 /// let mut next = checkpoint.map_or(0, |c| u64::from_be_bytes(c.try_into().unwrap()));
 /// while handle.is_valid() {

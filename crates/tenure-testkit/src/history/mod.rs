@@ -18,8 +18,8 @@
 //! only), so a history can be saved as JSON, read back and checked anywhere.
 //!
 //! ```
-//! use tenure::history::{check, Committed, Decision, History, StoreRecord};
-//! use tenure::ids::{FencingToken, PartitionId, SessionId};
+//! use tenure_testkit::history::{check, Committed, Decision, History, StoreRecord};
+//! use tenure_coordinator::ids::{FencingToken, PartitionId, SessionId};
 //! let mut history = History::new(1, 1000);
 //! let grant = |index, session| Committed {
 //!     node: 1, index, at_ns: index * 1000, partition: PartitionId(0), session: SessionId(session),
