@@ -6,7 +6,7 @@
 //!   fencing tokens links; no Raft, no gRPC.
 //! - `tenure-worker` ([`worker`], [`transport`]): the library an application embeds to own
 //!   partitions; no Raft, no RocksDB.
-//! - `tenure-coordinator` ([`ownership`], [`placement`], [`lease`], [`store`], [`raft`],
+//! - `tenure-coordinator` ([`ownership`], [`placement`], [`lease`], [`store`], [`codec`], [`raft`],
 //!   [`server`]): a coordinator node as a library.
 //! - `tenure-testkit` ([`history`], [`recording`], [`local_cluster`], [`fault_proxy`],
 //!   [`nemesis`], [`simulation`], [`stack_simulation`]): runs clusters under faults and checks
@@ -14,7 +14,7 @@
 //!
 //! See `ARCHITECTURE.md` for the code map and the invariants.
 
-pub use tenure_coordinator::{lease, ownership, placement, raft, server, store};
+pub use tenure_coordinator::{codec, lease, ownership, placement, raft, server, store};
 pub use tenure_core::{fence, ids, keyspace};
 pub use tenure_testkit::{
     fault_proxy, history, local_cluster, nemesis, proto, recording, simulation, stack_simulation,

@@ -91,12 +91,21 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
         .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"));
 
+    // Joins the table would refuse are refused before they become log entries.
+    let log_before = c.node(leader).expect("the leader runs").raft().metrics().borrow().last_log_index;
     let err = client.join(proto::JoinRequest { name: String::new(), weight: 1 }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_name"));
     let err = client.join(proto::JoinRequest { name: "n".repeat(1000), weight: 1 }).await.unwrap_err();
     assert_eq!(kind(&err), "invalid_name");
+    let err = client.join(proto::JoinRequest { name: "two\nlines".into(), weight: 1 }).await.unwrap_err();
+    assert_eq!(kind(&err), "invalid_name");
     let err = client.join(proto::JoinRequest { name: "heavy".into(), weight: 1_000_000 }).await.unwrap_err();
     assert_eq!(kind(&err), "invalid_weight");
+    let err =
+        client.join(proto::JoinRequest { name: "heaviest".into(), weight: u32::MAX }).await.unwrap_err();
+    assert_eq!(kind(&err), "invalid_weight");
+    let log_after = c.node(leader).expect("the leader runs").raft().metrics().borrow().last_log_index;
+    assert_eq!(log_after, log_before, "a refused join appended nothing");
 
     // The worker's own secret works; out-of-range and foreign partitions are refused.
     // (Release goes through the library so the secret stays private to it.)
@@ -106,6 +115,14 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     // Garbage on the Raft port is refused, not applied.
     let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
     let err = raft.append_entries(RaftPayload { data: b"\x00garbage".to_vec() }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    // So is a message in a format version this build does not read (a peer on another
+    // version): refused and named, and the node keeps serving (the checks below reach it).
+    let other = vec![tenure::codec::FORMAT + 1, 0, 0];
+    let err = raft.vote(RaftPayload { data: other }).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    assert!(err.message().contains("format version"), "{}", err.message());
+    let err = raft.install_snapshot(RaftPayload { data: Vec::new() }).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
 
     // A follower points at the leader.

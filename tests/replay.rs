@@ -138,3 +138,42 @@ async fn a_log_with_a_hole_or_without_its_first_entry_is_reported() {
     assert!(matches!(replay(&first).await, Err(ReplayError::Missing(0))), "a log without its first entry");
     assert!(matches!(replay(&middle).await, Err(ReplayError::Missing(3))), "a log with a hole at 3");
 }
+
+/// Every entry on disk starts with the format version it was written in. A node that finds in
+/// its own log a version this build does not read refuses to start, naming the version, rather
+/// than guessing at the bytes; reading the log back says the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_entry_of_an_unknown_format_stops_the_node_and_is_named() {
+    use tenure::codec::{FormatError, FORMAT};
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = some_history(dir.path(), true, 1000).await;
+    let id = c.ids()[2];
+    c.stop(id).await;
+    let data = c.data_dir(id).expect("a node");
+
+    let db = eventually("the stopped node's database to be free", || {
+        let data = data.clone();
+        async move { tenure::store::open(&data).ok() }
+    })
+    .await;
+    let log = db.cf_handle("log").expect("the log's column family");
+    type Row = (Box<[u8]>, Box<[u8]>);
+    let entries: Vec<Row> =
+        db.iterator_cf(log, rocksdb::IteratorMode::Start).map(|item| item.expect("readable")).collect();
+    assert!(entries.len() > 5, "{} entries", entries.len());
+    assert!(entries.iter().all(|(_, value)| value[0] == FORMAT), "every entry carries this build's format");
+    let (key, value) = entries.last().expect("a last entry");
+    let mut newer = value.to_vec();
+    newer[0] = FORMAT + 1;
+    db.put_cf(log, key, newer).expect("rewritten");
+    drop(db);
+
+    let refused = c.restart(id).await.expect_err("a log this build cannot read stops the node");
+    let message = refused.to_string();
+    assert!(message.contains(&format!("format version {}", FORMAT + 1)), "{message}");
+    match replay(&data).await {
+        Err(ReplayError::Decode { source: FormatError::UnknownVersion(v), .. }) => assert_eq!(v, FORMAT + 1),
+        other => panic!("replay read a log it cannot decode: {:?}", other.map(|e| e.len())),
+    }
+    c.shutdown().await;
+}

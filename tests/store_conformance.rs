@@ -101,7 +101,7 @@ async fn snapshots_are_binary_with_a_format_version_and_an_unknown_version_is_re
     let mut builder = sm.get_snapshot_builder().await;
     let snapshot = openraft::RaftSnapshotBuilder::build_snapshot(&mut builder).await.unwrap();
     let data = snapshot.snapshot.into_inner();
-    assert_eq!(data[0], tenure::store::SNAPSHOT_FORMAT);
+    assert_eq!(data[0], tenure::codec::FORMAT);
     // The table alone as JSON rows, for scale: the binary snapshot is several times smaller.
     let json_rows = serde_json::to_vec(sm.shared().read().unwrap().state.partitions()).unwrap();
     assert!(
@@ -122,7 +122,7 @@ async fn snapshots_are_binary_with_a_format_version_and_an_unknown_version_is_re
     let other = tempfile::tempdir().unwrap();
     let mut fresh = applied_store(other.path(), 8).await;
     let mut unknown = data.clone();
-    unknown[0] = tenure::store::SNAPSHOT_FORMAT + 1;
+    unknown[0] = tenure::codec::FORMAT + 1;
     let refused = fresh.install_snapshot(&snapshot.meta, Box::new(std::io::Cursor::new(unknown))).await;
     let message = refused.expect_err("an unknown format is refused").to_string();
     assert!(message.contains("format version"), "{message}");

@@ -5,6 +5,7 @@
 //! - [`placement`]: who should own what (balance by weight, minimal movement, affinity).
 //! - [`lease`]: the leader's deadlines on its monotonic clock.
 //! - [`store`]: RocksDB log, vote and state machine for openraft.
+//! - [`codec`]: the one versioned binary encoding of what a node stores and sends its peers.
 //! - [`raft`]: openraft's type configuration and the peer transport over gRPC.
 //! - [`server`]: the gRPC services, leader forwarding and the duty loop that proposes expiries.
 //!
@@ -15,6 +16,7 @@
 
 pub use tenure_core::{fence, ids, keyspace};
 
+pub mod codec;
 pub mod lease;
 pub mod ownership;
 pub mod placement;

@@ -26,4 +26,6 @@ mod command;
 mod state;
 
 pub use command::{Command, Event, LossReason, Rejection, Response};
-pub use state::{Changes, Config, OwnershipState, PartitionRecord, SessionRecord, MAX_NAME_BYTES};
+pub use state::{
+    check_join, Changes, Config, OwnershipState, PartitionRecord, SessionRecord, MAX_NAME_BYTES,
+};

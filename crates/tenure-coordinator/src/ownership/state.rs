@@ -263,14 +263,7 @@ impl OwnershipState {
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
         self.require_config()?;
-        if name.is_empty() || name.len() > MAX_NAME_BYTES || name.chars().any(char::is_control) {
-            return Err(Rejection::InvalidName(format!(
-                "must be 1 to {MAX_NAME_BYTES} bytes without control characters"
-            )));
-        }
-        if weight == 0 || weight > placement::MAX_WEIGHT {
-            return Err(Rejection::InvalidWeight(weight));
-        }
+        check_join(name, weight)?;
         // A restarted worker is recognised by its name: the older incarnation is superseded and
         // gives its partitions up the graceful way (revoke, then release or lease expiry), because
         // it may still be alive and believing in its leases.
@@ -432,6 +425,22 @@ impl OwnershipState {
             self.end_session(session, events);
         }
     }
+}
+
+/// What a join must satisfy whatever the table holds: a name of 1 to [`MAX_NAME_BYTES`] bytes
+/// without control characters, and a weight from 1 to [`placement::MAX_WEIGHT`]. Apply checks
+/// it, and so does the server before proposing, so a join that would be refused never becomes a
+/// log entry.
+pub fn check_join(name: &str, weight: u32) -> Result<(), Rejection> {
+    if name.is_empty() || name.len() > MAX_NAME_BYTES || name.chars().any(char::is_control) {
+        return Err(Rejection::InvalidName(format!(
+            "must be 1 to {MAX_NAME_BYTES} bytes without control characters"
+        )));
+    }
+    if weight == 0 || weight > placement::MAX_WEIGHT {
+        return Err(Rejection::InvalidWeight(weight));
+    }
+    Ok(())
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

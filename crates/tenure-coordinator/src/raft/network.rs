@@ -110,7 +110,7 @@ impl PeerClient {
             .client
             .as_mut()
             .map_err(|e| RPCError::Unreachable(Unreachable::new(&TransportError(e.clone()))))?;
-        let data = serde_json::to_vec(req).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        let data = crate::codec::encode(req);
         let mut request = tonic::Request::new(RaftPayload { data });
         request.set_timeout(option.hard_ttl());
         let reply = match rpc {
@@ -127,7 +127,7 @@ impl PeerClient {
                 _ => RPCError::Network(NetworkError::new(&err)),
             }
         })?;
-        let result: Result<Resp, E> = serde_json::from_slice(&reply.into_inner().data)
+        let result: Result<Resp, E> = crate::codec::decode(&reply.into_inner().data)
             .map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
         result.map_err(|e| RPCError::RemoteError(RemoteError::new(self.target, e)))
     }

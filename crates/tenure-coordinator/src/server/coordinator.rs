@@ -3,7 +3,7 @@
 
 use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::{FencingToken, PartitionId, SessionId};
-use crate::ownership::{Command, Event, Rejection, Response as SmResponse, MAX_NAME_BYTES};
+use crate::ownership::{check_join, Command, Event, Rejection, Response as SmResponse};
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
 use rand::RngCore;
 use std::pin::Pin;
@@ -235,13 +235,8 @@ impl Coordinator for CoordinatorService {
     async fn join(&self, req: Request<proto::JoinRequest>) -> Result<Response<proto::JoinResponse>, Status> {
         let req = req.into_inner();
         self.node.ensure_leader()?;
-        if req.name.is_empty() || req.name.len() > MAX_NAME_BYTES {
-            return Err(CoordinatorError::Rejected(Rejection::InvalidName(format!(
-                "must be 1 to {MAX_NAME_BYTES} bytes"
-            )))
-            .into());
-        }
         let weight = if req.weight == 0 { 1 } else { req.weight };
+        check_join(&req.name, weight).map_err(CoordinatorError::Rejected)?;
         let command = Command::Join { name: req.name, weight, secret: new_secret() };
         match self.node.propose(command).await? {
             SmResponse::Joined { session, secret, .. } => {

@@ -1,5 +1,6 @@
 //! The receiving end of the Raft transport: decode, hand to openraft, encode its `Result`.
 
+use crate::codec;
 use crate::proto::peer::raft_transport_server::RaftTransport;
 use crate::proto::peer::RaftPayload;
 use crate::raft::Raft;
@@ -9,14 +10,15 @@ pub struct RaftService {
     pub raft: Raft,
 }
 
+/// A peer's message in this build's format; another version or garbage is refused here, and
+/// the node keeps running.
 fn decode<T: serde::de::DeserializeOwned>(req: Request<RaftPayload>) -> Result<T, Status> {
-    serde_json::from_slice(&req.into_inner().data)
+    codec::decode(&req.into_inner().data)
         .map_err(|e| Status::invalid_argument(format!("malformed raft message: {e}")))
 }
 
 fn encode<T: serde::Serialize>(value: &T) -> Result<Response<RaftPayload>, Status> {
-    let data = serde_json::to_vec(value).map_err(|e| Status::internal(e.to_string()))?;
-    Ok(Response::new(RaftPayload { data }))
+    Ok(Response::new(RaftPayload { data: codec::encode(value) }))
 }
 
 #[tonic::async_trait]

@@ -1,4 +1,5 @@
-//! Opening the database and the byte encodings shared by the log and the state machine.
+//! Opening the database, and what the log and the state machine share (the encoding is
+//! [`crate::codec`]'s).
 
 use crate::raft::StorageError;
 use openraft::{AnyError, ErrorSubject, ErrorVerb, StorageIOError};
@@ -44,10 +45,4 @@ pub(crate) fn io_error(
     StorageIOError::new(subject, verb, AnyError::new(&e)).into()
 }
 
-pub(crate) fn encode<T: serde::Serialize>(value: &T) -> Vec<u8> {
-    serde_json::to_vec(value).expect("tenure's own types always serialize")
-}
-
-pub(crate) fn decode<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, serde_json::Error> {
-    serde_json::from_slice(bytes)
-}
+pub(crate) use crate::codec::{decode, encode};

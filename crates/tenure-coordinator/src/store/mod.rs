@@ -24,6 +24,5 @@ pub use db::{open, Db};
 pub use log_store::LogStore;
 pub use replay::{replay_applied, ReplayError, ReplayedEntry};
 pub use state_machine::{
-    decode_table_snapshot, encode_table_snapshot, AppliedEvent, SharedState, SnapshotFormatError,
-    StateMachineStore, SNAPSHOT_FORMAT,
+    decode_table_snapshot, encode_table_snapshot, AppliedEvent, SharedState, StateMachineStore,
 };

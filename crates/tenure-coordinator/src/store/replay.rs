@@ -21,7 +21,9 @@ pub enum ReplayError {
     #[error("cannot read the database: {0}")]
     Read(#[from] rocksdb::Error),
     #[error("cannot decode {what}: {source}")]
-    Decode { what: String, source: serde_json::Error },
+    Decode { what: String, source: crate::codec::FormatError },
+    #[error("cannot load the node's own table: {0}")]
+    Load(String),
     #[error("the log was purged up to index {0}; run the node with the whole log kept")]
     Purged(u64),
     #[error("log entry {0} is missing")]
@@ -48,10 +50,9 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
     let db =
         super::open(dir).map_err(|source| ReplayError::Open { dir: dir.display().to_string(), source })?;
     if let Some(bytes) = db.get_cf(cf(&db, CF_RAFT), b"last_purged")? {
-        let purged: Option<LogId> = decode_as("last_purged", &bytes)?;
-        if let Some(purged) = purged {
-            return Err(ReplayError::Purged(purged.index));
-        }
+        // The log store writes the purged id itself, present only once something was purged.
+        let purged: LogId = decode_as("last_purged", &bytes)?;
+        return Err(ReplayError::Purged(purged.index));
     }
     let last_applied: Option<LogId> = match db.get_cf(cf(&db, CF_SM_META), b"last_applied")? {
         Some(bytes) => decode_as("last_applied", &bytes)?,
@@ -87,10 +88,7 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
     if expected != last_applied.index + 1 {
         return Err(ReplayError::Missing(expected));
     }
-    let persisted = super::state_machine::load(&db).map_err(|e| ReplayError::Decode {
-        what: "the persisted table".into(),
-        source: serde_json::Error::io(std::io::Error::other(e.to_string())),
-    })?;
+    let persisted = super::state_machine::load(&db).map_err(|e| ReplayError::Load(e.to_string()))?;
     let (a, b) = (&persisted.state, &state);
     let same = a.config() == b.config()
         && a.partitions() == b.partitions()

@@ -5,11 +5,13 @@
 //! write batch, then publishes the batch's events; the responses go back to openraft only after
 //! that write returns.
 //!
-//! Snapshots are binary: one format-version byte, then the payload in postcard. A node that
-//! meets a version it does not know stops (a storage error) instead of guessing. Installing a
+//! Rows, metadata and snapshots are in [`crate::codec`]'s format (a version byte, then
+//! postcard). A node that meets a version it does not know stops (a storage error) instead of
+//! guessing. Installing a
 //! snapshot replaces the table, `last_applied` and the stored snapshot in one synced batch.
 
 use super::db::{cf, decode, encode, io_error, synced, Db, CF_PARTITIONS, CF_SESSIONS, CF_SM_META};
+use crate::codec::FormatError;
 use crate::ids::SessionId;
 use crate::ownership::{Config, Event, OwnershipState, PartitionRecord, Response, SessionRecord};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
@@ -26,12 +28,9 @@ const KEY_LAST_APPLIED: &[u8] = b"last_applied";
 const KEY_MEMBERSHIP: &[u8] = b"membership";
 const KEY_CONFIG: &[u8] = b"config";
 const KEY_NEXT_SESSION: &[u8] = b"next_session";
-/// The stored snapshot: its metadata (JSON, small) and its data (raw bytes), beside each other.
+/// The stored snapshot: its metadata and its data, beside each other.
 const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"snapshot_data";
-
-/// The snapshot format this build writes, and the only one it reads.
-pub const SNAPSHOT_FORMAT: u8 = 1;
 
 /// How many applied batches a slow watcher may fall behind before it must resynchronise.
 const EVENT_BUFFER: usize = 4096;
@@ -64,21 +63,8 @@ struct SnapshotPayload {
     state: OwnershipState,
 }
 
-/// Why snapshot data could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotFormatError {
-    #[error("the snapshot is empty")]
-    Empty,
-    #[error("snapshot format version {0} is not one this build reads (it reads version {SNAPSHOT_FORMAT})")]
-    UnknownVersion(u8),
-    #[error("the snapshot payload cannot be decoded: {0}")]
-    Payload(#[from] postcard::Error),
-}
-
 fn encode_snapshot(payload: &SnapshotPayload) -> Vec<u8> {
-    let mut data = vec![SNAPSHOT_FORMAT];
-    postcard::to_io(payload, &mut data).expect("tenure's own types always serialize");
-    data
+    crate::codec::encode(payload)
 }
 
 /// A snapshot's data for `state` alone (no membership, nothing applied), as a node would send
@@ -90,16 +76,12 @@ pub fn encode_table_snapshot(state: &OwnershipState) -> Vec<u8> {
 }
 
 /// The table a snapshot's data carries, read as a node installing it would.
-pub fn decode_table_snapshot(data: &[u8]) -> Result<OwnershipState, SnapshotFormatError> {
+pub fn decode_table_snapshot(data: &[u8]) -> Result<OwnershipState, FormatError> {
     decode_snapshot(data).map(|payload| payload.state)
 }
 
-fn decode_snapshot(data: &[u8]) -> Result<SnapshotPayload, SnapshotFormatError> {
-    match data.split_first() {
-        None => Err(SnapshotFormatError::Empty),
-        Some((&SNAPSHOT_FORMAT, payload)) => Ok(postcard::from_bytes(payload)?),
-        Some((&version, _)) => Err(SnapshotFormatError::UnknownVersion(version)),
-    }
+fn decode_snapshot(data: &[u8]) -> Result<SnapshotPayload, FormatError> {
+    crate::codec::decode(data)
 }
 
 /// A snapshot's stored form, written into `batch` beside whatever else it carries.
