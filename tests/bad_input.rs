@@ -289,3 +289,57 @@ fn the_binary_rejects_garbage_flags_with_a_clear_message() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not in --peers"));
 }
+
+/// A snapshot that does not decode, sent by a peer with the leader's own vote, is refused when
+/// its last chunk arrives: openraft never sees it (it would report the failed install as a
+/// storage failure and stop the node), and the node keeps replicating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_garbage_snapshot_is_refused_and_the_node_keeps_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let follower = c.ids().into_iter().find(|id| *id != leader).expect("a follower");
+    let vote = c.node(leader).expect("the leader runs").raft().metrics().borrow().vote;
+    let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(follower))).await.unwrap();
+    let chunk = |offset: u64, data: Vec<u8>, done: bool| {
+        let request = openraft::raft::InstallSnapshotRequest::<tenure::raft::TypeConfig> {
+            vote,
+            meta: openraft::SnapshotMeta {
+                last_log_id: None,
+                last_membership: Default::default(),
+                snapshot_id: "forged".into(),
+            },
+            offset,
+            data,
+            done,
+        };
+        RaftPayload { data: tenure::codec::encode(&request) }
+    };
+    // Garbage in one chunk, and in two; a chunk whose predecessors never came.
+    let err =
+        raft.install_snapshot(chunk(0, vec![tenure::codec::FORMAT, 0xff, 0xff], true)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    raft.install_snapshot(chunk(0, vec![tenure::codec::FORMAT], false)).await.expect("a first chunk is kept");
+    let err = raft.install_snapshot(chunk(1, vec![0xff; 64], true)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+    let err = raft.install_snapshot(chunk(4096, vec![1], true)).await.unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument);
+
+    // The follower still runs and still applies what the leader commits.
+    let running =
+        c.node(follower).expect("the follower runs").raft().metrics().borrow().running_state.clone();
+    assert!(running.is_ok(), "{running:?}");
+    let w = worker(&c, "after").await;
+    let applied = eventually("the follower to apply the join", || {
+        let c = &c;
+        async move {
+            let m = c.node(follower)?.raft().metrics().borrow().clone();
+            let leader_applied = c.node(leader)?.raft().metrics().borrow().last_applied;
+            (m.last_applied >= leader_applied && m.running_state.is_ok()).then_some(m.last_applied)
+        }
+    })
+    .await;
+    assert!(applied.is_some());
+    w.leave().await.expect("leaves");
+    c.shutdown().await;
+}

@@ -380,7 +380,7 @@ where
     tasks.push(tokio::spawn(leader::run_renewals(node.clone(), renewal_rx, cancel.clone())));
 
     let coordinator = CoordinatorServer::new(coordinator::CoordinatorService { node: node.clone() });
-    let transport = RaftTransportServer::new(raft_service::RaftService { raft })
+    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let shutdown = cancel.clone();

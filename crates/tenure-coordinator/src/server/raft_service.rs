@@ -1,13 +1,72 @@
 //! The receiving end of the Raft transport: decode, hand to openraft, encode its `Result`.
+//!
+//! Nothing a peer sends can stop this node: a message that does not decode is refused, and a
+//! snapshot is assembled from its chunks here and checked before openraft sees it (openraft
+//! would report a snapshot that fails to decode during the install as a storage failure, which
+//! stops the node).
 
 use crate::codec;
+use crate::ids::NodeId;
 use crate::proto::peer::raft_transport_server::RaftTransport;
 use crate::proto::peer::RaftPayload;
-use crate::raft::Raft;
+use crate::raft::{Raft, TypeConfig};
+use crate::store::check_snapshot;
+use openraft::error::{InstallSnapshotError, RaftError};
+use openraft::raft::{InstallSnapshotRequest, InstallSnapshotResponse};
+use openraft::storage::Snapshot;
+use std::io::Cursor;
 use tonic::{Request, Response, Status};
 
 pub struct RaftService {
-    pub raft: Raft,
+    raft: Raft,
+    /// The snapshot being received: its id and the bytes so far. One at a time, as openraft
+    /// sends them; a chunk of another snapshot, or out of order, starts over or is refused.
+    receiving: tokio::sync::Mutex<Option<(String, Vec<u8>)>>,
+}
+
+impl RaftService {
+    pub fn new(raft: Raft) -> Self {
+        RaftService { raft, receiving: tokio::sync::Mutex::new(None) }
+    }
+
+    async fn receive_snapshot(
+        &self,
+        req: InstallSnapshotRequest<TypeConfig>,
+    ) -> Result<Result<InstallSnapshotResponse<NodeId>, RaftError<NodeId, InstallSnapshotError>>, Status>
+    {
+        let current = self.raft.metrics().borrow().vote;
+        if req.vote < current {
+            // A deposed leader: the answer carries the newer vote, as openraft's own would.
+            return Ok(Ok(InstallSnapshotResponse { vote: current }));
+        }
+        let mut receiving = self.receiving.lock().await;
+        let id = req.meta.snapshot_id.clone();
+        let mut data = match receiving.take() {
+            _ if req.offset == 0 => Vec::new(),
+            Some((have, data)) if have == id && data.len() as u64 == req.offset => data,
+            _ => {
+                return Err(Status::invalid_argument(format!(
+                    "snapshot {id}: a chunk at offset {} without the chunks before it",
+                    req.offset
+                )))
+            }
+        };
+        data.extend_from_slice(&req.data);
+        if !req.done {
+            *receiving = Some((id, data));
+            return Ok(Ok(InstallSnapshotResponse { vote: current }));
+        }
+        drop(receiving);
+        if let Err(e) = check_snapshot(&data) {
+            tracing::warn!(snapshot = %id, error = %e, "refusing a snapshot this build cannot read");
+            return Err(Status::invalid_argument(format!("snapshot {id}: {e}")));
+        }
+        let snapshot = Snapshot { meta: req.meta, snapshot: Box::new(Cursor::new(data)) };
+        Ok(match self.raft.install_full_snapshot(req.vote, snapshot).await {
+            Ok(response) => Ok(response.into()),
+            Err(fatal) => Err(RaftError::Fatal(fatal)),
+        })
+    }
 }
 
 /// A peer's message in this build's format; another version or garbage is refused here, and
@@ -35,6 +94,6 @@ impl RaftTransport for RaftService {
 
     async fn install_snapshot(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
         let rpc = decode(req)?;
-        encode(&self.raft.install_snapshot(rpc).await)
+        encode(&self.receive_snapshot(rpc).await?)
     }
 }

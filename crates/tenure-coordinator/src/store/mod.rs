@@ -24,5 +24,6 @@ pub use db::{open, Db};
 pub use log_store::LogStore;
 pub use replay::{replay_applied, ReplayError, ReplayedEntry};
 pub use state_machine::{
-    decode_table_snapshot, encode_table_snapshot, AppliedEvent, SharedState, StateMachineStore,
+    check_snapshot, decode_table_snapshot, encode_table_snapshot, AppliedEvent, SharedState,
+    StateMachineStore,
 };

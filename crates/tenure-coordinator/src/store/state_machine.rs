@@ -80,6 +80,13 @@ pub fn decode_table_snapshot(data: &[u8]) -> Result<OwnershipState, FormatError>
     decode_snapshot(data).map(|payload| payload.state)
 }
 
+/// Whether `data` is a snapshot this build can install: checked on receipt, before openraft is
+/// handed it, because a snapshot that fails to decode inside the install is a storage error and
+/// stops the node.
+pub fn check_snapshot(data: &[u8]) -> Result<(), FormatError> {
+    decode_snapshot(data).map(|_| ())
+}
+
 fn decode_snapshot(data: &[u8]) -> Result<SnapshotPayload, FormatError> {
     crate::codec::decode(data)
 }
