@@ -14,7 +14,7 @@
 //!
 //! See `ARCHITECTURE.md` for the code map and the invariants.
 
-pub use tenure_coordinator::{codec, lease, ownership, placement, raft, server, store};
+pub use tenure_coordinator::{codec, lease, ownership, placement, planner, raft, server, store};
 pub use tenure_core::{fence, ids, keyspace};
 pub use tenure_testkit::{
     fault_proxy, history, local_cluster, nemesis, proto, recording, simulation, stack_simulation,

@@ -12,16 +12,20 @@ const MS: Duration = Duration::from_millis(1);
 
 fn state_with_two_sessions() -> (OwnershipState, SessionId, SessionId) {
     let mut s = OwnershipState::default();
-    s.apply(1, &Command::Configure { partition_count: 4, lease_ttl_ms: 1000 });
-    let join = |s: &mut OwnershipState, i, n: &str| match s
-        .apply(i, &Command::Join { name: n.into(), weight: 1, secret: n.into() })
-        .0
-    {
-        Response::Joined { session, .. } => session,
-        r => panic!("{r:?}"),
+    s.apply(1, &Command::Configure { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None });
+    let mut index = 1;
+    // Each join, then the leader's placement after it.
+    let mut join = |s: &mut OwnershipState, n: &str| {
+        index += 1;
+        let session = match s.apply(index, &Command::Join { name: n.into(), weight: 1, secret: n.into() }).0 {
+            Response::Joined { session, .. } => session,
+            r => panic!("{r:?}"),
+        };
+        tenure::planner::settle(s, &mut index, &Default::default());
+        session
     };
-    let a = join(&mut s, 2, "a");
-    let b = join(&mut s, 3, "b");
+    let a = join(&mut s, "a");
+    let b = join(&mut s, "b");
     (s, a, b)
 }
 

@@ -2,7 +2,10 @@
 //! log indexes in, responses, events and the table out.
 
 use tenure::ids::{FencingToken, PartitionId, SessionId};
-use tenure::ownership::{Command, Event, LossReason, OwnershipState, Rejection, Response};
+use tenure::ownership::{
+    Command, Config, Event, Grant, LossReason, OwnershipState, Rejection, Response, Revoke,
+};
+use tenure::planner::{self, Rules};
 
 /// A state machine with a log index counter, so stories read as a sequence of commits.
 struct Story {
@@ -13,12 +16,26 @@ struct Story {
 impl Story {
     fn new(partitions: u32) -> Story {
         let mut story = Story { state: OwnershipState::default(), index: 0 };
-        let (r, _) = story.commit(Command::Configure { partition_count: partitions, lease_ttl_ms: 1000 });
+        let (r, _) = story.commit(Command::Configure {
+            partition_count: partitions,
+            lease_ttl_ms: 1000,
+            max_revoking: None,
+        });
         assert_eq!(r, Response::Configured);
         story
     }
 
+    /// Commits a command, then what the leader decides after it (placement, until the table
+    /// is where placement wants it), as a leader with nothing else to do would. The response is
+    /// the command's; the events are those of every entry, in order.
     fn commit(&mut self, command: Command) -> (Response, Vec<Event>) {
+        let (response, mut events) = self.commit_alone(command);
+        events.extend(planner::settle(&mut self.state, &mut self.index, &Rules::default()));
+        (response, events)
+    }
+
+    /// Commits one entry and nothing after it.
+    fn commit_alone(&mut self, command: Command) -> (Response, Vec<Event>) {
         self.index += 1;
         self.state.apply(self.index, &command)
     }
@@ -82,7 +99,9 @@ fn a_join_revokes_only_what_the_newcomer_needs_and_the_release_grants_it() {
     assert!(s.owned(w2).is_empty(), "nothing is granted before the old owner lets go");
     let before: Vec<_> = revoking.iter().map(|p| s.token(p.0)).collect();
 
-    let (r, events) = s.commit(Command::Release {
+    // The release alone, with no decision after it: the revoke named the receiver, so the
+    // entry that lets go also grants (a planned move is two commits).
+    let (r, events) = s.commit_alone(Command::Release {
         tokens: vec![],
         session: w1,
         secret: secret1,
@@ -234,12 +253,10 @@ fn rejected_commands_change_nothing() {
         ),
         (Command::Join { name: "w3".into(), weight: 0, secret: "x".into() }, Rejection::InvalidWeight(0)),
         (
-            Command::Configure { partition_count: 8, lease_ttl_ms: 1000 },
+            Command::Configure { partition_count: 8, lease_ttl_ms: 1000, max_revoking: None },
             Rejection::ConfigMismatch {
-                have_partitions: 4,
-                have_ttl_ms: 1000,
-                want_partitions: 8,
-                want_ttl_ms: 1000,
+                have: Config { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None },
+                want: Config { partition_count: 8, lease_ttl_ms: 1000, max_revoking: None },
             },
         ),
     ];
@@ -273,7 +290,8 @@ fn commands_before_configuration_are_refused() {
     let mut state = OwnershipState::default();
     let (r, _) = state.apply(1, &Command::Join { name: "w".into(), weight: 1, secret: "s".into() });
     assert_eq!(r, Response::Rejected(Rejection::NotConfigured));
-    let (r, _) = state.apply(2, &Command::Configure { partition_count: 0, lease_ttl_ms: 1 });
+    let (r, _) =
+        state.apply(2, &Command::Configure { partition_count: 0, lease_ttl_ms: 1, max_revoking: None });
     assert!(matches!(r, Response::Rejected(Rejection::InvalidConfig(_))));
 }
 
@@ -334,16 +352,16 @@ fn an_expiry_of_an_older_revoke_leaves_a_newer_revoke_of_the_same_partition_alon
     // session 1 again (token 7) and is being revoked once more. The expiry must name its grant,
     // and miss the newer one: session 1's newer revoke runs on its own, fresh deadline.
     use std::collections::BTreeMap;
-    use tenure::ownership::{Config, PartitionRecord, SessionRecord};
+    use tenure::ownership::{PartitionRecord, SessionRecord};
     let s1 = SessionId(1);
     let record =
         |name: &str| SessionRecord { name: name.into(), weight: 1, secret: name.into(), leaving: false };
     let sessions = BTreeMap::from([(s1, record("w1")), (SessionId(2), record("w2"))]);
     let partitions = vec![
-        PartitionRecord { owner: Some(s1), token: FencingToken(7), revoking: true },
-        PartitionRecord { owner: Some(SessionId(2)), token: FencingToken(5), revoking: false },
+        PartitionRecord { owner: Some(s1), token: FencingToken(7), revoking: true, next: None },
+        PartitionRecord { owner: Some(SessionId(2)), token: FencingToken(5), revoking: false, next: None },
     ];
-    let config = Config { partition_count: 2, lease_ttl_ms: 1000 };
+    let config = Config { partition_count: 2, lease_ttl_ms: 1000, max_revoking: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, sessions, 2);
     let stale = Command::ExpireRevoking { partitions: vec![(PartitionId(0), s1, FencingToken(3))] };
     let (response, events) = state.apply(8, &stale);
@@ -368,11 +386,12 @@ fn a_late_release_of_an_older_grant_leaves_the_newer_grant_alone() {
     // held up on the network, arrived after partition 0 had been lost, granted elsewhere and
     // granted back to the same session (grant 24), and released the grant the worker believed.
     use std::collections::BTreeMap;
-    use tenure::ownership::{Config, PartitionRecord, SessionRecord};
+    use tenure::ownership::{PartitionRecord, SessionRecord};
     let s1 = SessionId(1);
     let record = SessionRecord { name: "w1".into(), weight: 1, secret: "s".into(), leaving: false };
-    let partitions = vec![PartitionRecord { owner: Some(s1), token: FencingToken(24), revoking: false }];
-    let config = Config { partition_count: 1, lease_ttl_ms: 1000 };
+    let partitions =
+        vec![PartitionRecord { owner: Some(s1), token: FencingToken(24), revoking: false, next: None }];
+    let config = Config { partition_count: 1, lease_ttl_ms: 1000, max_revoking: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, BTreeMap::from([(s1, record)]), 1);
     let late = Command::Release {
         session: s1,
@@ -400,4 +419,170 @@ fn a_late_release_of_an_older_grant_leaves_the_newer_grant_alone() {
         state.apply(27, &uneven).0,
         Response::Rejected(Rejection::TokensMismatch { partitions: 0, tokens: 1 })
     );
+}
+
+/// Plans a decision on the story's table without committing it.
+fn decide(s: &Story) -> Command {
+    planner::plan(&s.state, &Rules::default()).expect("the table needs a decision")
+}
+
+fn unchanged(s: &Story, before: &OwnershipState) -> bool {
+    let mut after = s.state.clone();
+    after.take_changes();
+    let mut expected = before.clone();
+    expected.take_changes();
+    after == expected
+}
+
+fn join_alone(s: &mut Story, name: &str) -> SessionId {
+    let (r, _) =
+        s.commit_alone(Command::Join { name: name.into(), weight: 1, secret: format!("secret-of-{name}") });
+    let Response::Joined { session, .. } = r else { panic!("join failed: {r:?}") };
+    session
+}
+
+#[test]
+fn a_join_decides_nothing_on_its_own_the_leader_does() {
+    let mut s = Story::new(8);
+    let (w1, _) = s.join("w1");
+    let (r, events) = s.commit_alone(Command::Join { name: "w2".into(), weight: 1, secret: "s2".into() });
+    let Response::Joined { session: w2, .. } = r else { panic!("{r:?}") };
+    assert_eq!(
+        events,
+        vec![Event::SessionStarted { session: w2, name: "w2".into() }],
+        "apply placed nothing"
+    );
+    assert_eq!(s.owned(w1).len(), 8);
+    let Command::Place { grants, revokes } = decide(&s) else { panic!("not a placement") };
+    assert!(grants.is_empty());
+    assert_eq!(revokes.len(), 4);
+    assert!(revokes.iter().all(|r| r.session == w1 && r.next == w2 && r.token == s.token(r.partition.0)));
+    s.check();
+}
+
+#[test]
+fn a_placement_made_on_a_table_that_changed_is_refused_whole() {
+    let mut s = Story::new(8);
+    let (w1, secret1) = s.join("w1");
+    join_alone(&mut s, "w2");
+    let plan = decide(&s);
+    let Command::Place { revokes, .. } = &plan else { panic!() };
+    // Before the decision commits, w1 gives one of the partitions up of its own accord.
+    let gone = revokes[0].partition;
+    s.commit_alone(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions: vec![gone] });
+    let before = s.state.clone();
+    let (r, events) = s.commit_alone(plan);
+    assert_eq!(r, Response::Rejected(Rejection::StalePlacement(gone)));
+    assert!(events.is_empty());
+    assert!(unchanged(&s, &before), "none of the other revokes was applied");
+    assert!(s.revoking(w1).is_empty());
+    // Decided again on the table as it is, the placement goes through.
+    s.commit(Command::Expire { sessions: vec![] });
+    assert_eq!(s.revoking(w1).len(), 3, "one partition was already free and went straight to w2");
+    s.check();
+}
+
+#[test]
+fn a_placement_that_breaks_a_rule_of_the_table_is_refused_whole() {
+    let mut s = Story::new(4);
+    let (w1, _) = s.join("w1");
+    let (w2, secret2) = s.join("w2");
+    s.commit(Command::Release {
+        tokens: vec![],
+        session: w1,
+        secret: "secret-of-w1".into(),
+        partitions: s.revoking(w1),
+    });
+    s.commit_alone(Command::Leave { session: w2, secret: secret2 });
+    let before = s.state.clone();
+    let mine = PartitionId(s.owned(w1)[0]);
+    let token = s.token(mine.0);
+    let revoke = |next: SessionId, token: FencingToken| Command::Place {
+        grants: vec![],
+        revokes: vec![Revoke { partition: mine, session: w1, token, next }],
+    };
+    let cases = vec![
+        (
+            Command::Place {
+                grants: vec![Grant { partition: PartitionId(9), session: w1 }],
+                revokes: vec![],
+            },
+            Rejection::PartitionOutOfRange { partition: 9, count: 4 },
+        ),
+        (revoke(SessionId(77), token), Rejection::NotEligible(SessionId(77))),
+        // w2 is leaving: it takes nothing.
+        (revoke(w2, token), Rejection::NotEligible(w2)),
+        // Not the grant w1 holds now.
+        (revoke(w1, FencingToken(token.0 - 1)), Rejection::StalePlacement(mine)),
+        // Granting a partition that has an owner.
+        (
+            Command::Place { grants: vec![Grant { partition: mine, session: w1 }], revokes: vec![] },
+            Rejection::StalePlacement(mine),
+        ),
+    ];
+    for (command, want) in cases {
+        let (r, events) = s.commit_alone(command.clone());
+        assert_eq!(r, Response::Rejected(want), "{command:?}");
+        assert!(events.is_empty());
+        assert!(unchanged(&s, &before), "{command:?} changed the table");
+    }
+    s.check();
+}
+
+#[test]
+fn a_partition_named_twice_in_one_placement_is_refused() {
+    let mut s = Story::new(4);
+    let w1 = join_alone(&mut s, "w1");
+    let twice = Command::Place {
+        grants: vec![
+            Grant { partition: PartitionId(0), session: w1 },
+            Grant { partition: PartitionId(0), session: w1 },
+        ],
+        revokes: vec![],
+    };
+    assert_eq!(s.commit_alone(twice).0, Response::Rejected(Rejection::DuplicateMove(PartitionId(0))));
+    assert!(s.owned(w1).is_empty());
+}
+
+#[test]
+fn the_revoke_budget_moves_the_table_in_waves() {
+    let mut s = Story { state: OwnershipState::default(), index: 0 };
+    s.commit(Command::Configure { partition_count: 8, lease_ttl_ms: 1000, max_revoking: Some(2) });
+    let (w1, secret1) = s.join("w1");
+    let (w2, _) = s.join("w2");
+    let mut waves = 0;
+    while !s.revoking(w1).is_empty() {
+        assert!(s.revoking(w1).len() <= 2, "at most the budget is revoking");
+        waves += 1;
+        let partitions = s.revoking(w1);
+        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1.clone(), partitions });
+        s.check();
+    }
+    assert_eq!(waves, 2, "four partitions move, two at a time");
+    assert_eq!((s.owned(w1).len(), s.owned(w2).len()), (4, 4));
+    // A budget of zero would never move anything: refused.
+    let mut fresh = OwnershipState::default();
+    let zero = Command::Configure { partition_count: 8, lease_ttl_ms: 1000, max_revoking: Some(0) };
+    assert!(matches!(fresh.apply(1, &zero).0, Response::Rejected(Rejection::InvalidConfig(_))));
+}
+
+#[test]
+fn a_receiver_that_left_before_the_release_does_not_get_the_partition() {
+    let mut s = Story::new(4);
+    let (w1, secret1) = s.join("w1");
+    let (w2, secret2) = s.join("w2");
+    let revoking = s.revoking(w1);
+    assert!(revoking.iter().all(|p| s.state.partition(*p).unwrap().next == Some(w2)));
+    s.commit_alone(Command::Leave { session: w2, secret: secret2 });
+    let (_, events) = s.commit_alone(Command::Release {
+        tokens: vec![],
+        session: w1,
+        secret: secret1,
+        partitions: revoking,
+    });
+    assert!(!events.iter().any(|e| matches!(e, Event::Granted { .. })), "{events:?}");
+    // The leader places them again: back to w1, the only member.
+    s.commit(Command::Expire { sessions: vec![] });
+    assert_eq!(s.owned(w1).len(), 4);
+    s.check();
 }

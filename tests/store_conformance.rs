@@ -6,7 +6,7 @@ use openraft::testing::{StoreBuilder, Suite};
 use openraft::{Entry, EntryPayload, LogId, StorageError};
 use tempfile::TempDir;
 use tenure::ids::{FencingToken, PartitionId};
-use tenure::ownership::{Command, Response};
+use tenure::ownership::{Command, OwnershipState, Response};
 use tenure::raft::TypeConfig;
 use tenure::store::{LogStore, StateMachineStore};
 
@@ -26,6 +26,30 @@ fn openraft_storage_suite() {
     Suite::test_all(RocksBuilder).expect("the store conforms to openraft's storage contract");
 }
 
+/// The log a leader writes for: configure `partitions`, w1 joins, w2 joins, each join followed
+/// by the placement decisions the leader proposes after it.
+fn two_joins(partitions: u32) -> Vec<Entry<TypeConfig>> {
+    let mut state = OwnershipState::default();
+    let mut log = Vec::new();
+    let mut commit = |state: &mut OwnershipState, command: Command| {
+        let index = log.len() as u64 + 1;
+        state.apply(index, &command);
+        log.push(entry(index, command));
+    };
+    commit(
+        &mut state,
+        Command::Configure { partition_count: partitions, lease_ttl_ms: 1000, max_revoking: None },
+    );
+    for name in ["w1", "w2"] {
+        let secret = format!("secret-of-{name}");
+        commit(&mut state, Command::Join { name: name.into(), weight: 1, secret });
+        while let Some(place) = tenure::planner::plan(&state, &Default::default()) {
+            commit(&mut state, place);
+        }
+    }
+    log
+}
+
 fn entry(index: u64, command: Command) -> Entry<TypeConfig> {
     Entry {
         log_id: LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
@@ -39,25 +63,20 @@ async fn applied_rows_and_tokens_survive_reopening() {
     let tokens = {
         let db = tenure::store::open(dir.path()).unwrap();
         let mut sm = StateMachineStore::open(db).unwrap();
-        let responses = sm
-            .apply(vec![
-                entry(1, Command::Configure { partition_count: 8, lease_ttl_ms: 1000 }),
-                entry(2, Command::Join { name: "w1".into(), weight: 1, secret: "s1".into() }),
-                entry(3, Command::Join { name: "w2".into(), weight: 1, secret: "s2".into() }),
-            ])
-            .await
-            .unwrap();
+        let responses = sm.apply(two_joins(8)).await.unwrap();
         assert!(matches!(responses[1], Response::Joined { .. }));
+        assert_eq!(responses[2], Response::Placed { granted: 8, revoking: 0 });
+        assert_eq!(responses[4], Response::Placed { granted: 0, revoking: 4 });
         let shared = sm.shared();
         let applied = shared.read().unwrap();
         applied.state.partitions().iter().map(|r| (r.owner, r.token, r.revoking)).collect::<Vec<_>>()
     };
-    assert!(tokens.iter().all(|(_, t, _)| *t == FencingToken(2)));
+    assert!(tokens.iter().all(|(_, t, _)| *t == FencingToken(3)), "granted by the entry after w1's join");
 
     let db = tenure::store::open(dir.path()).unwrap();
     let mut sm = StateMachineStore::open(db.clone()).unwrap();
     let (last, _) = sm.applied_state().await.unwrap();
-    assert_eq!(last.map(|l| l.index), Some(3));
+    assert_eq!(last.map(|l| l.index), Some(5));
     {
         let shared = sm.shared();
         let applied = shared.read().unwrap();
@@ -75,22 +94,16 @@ async fn applied_rows_and_tokens_survive_reopening() {
     fresh.install_snapshot(&snapshot.meta, snapshot.snapshot).await.unwrap();
     let shared = fresh.shared();
     let applied = shared.read().unwrap();
-    assert_eq!(applied.state.partition(PartitionId(0)).unwrap().token, FencingToken(2));
-    assert_eq!(applied.last_applied.map(|l| l.index), Some(3));
+    assert_eq!(applied.state.partition(PartitionId(0)).unwrap().token, FencingToken(3));
+    assert_eq!(applied.last_applied.map(|l| l.index), Some(5));
     drop(applied);
     drop(db);
 }
 
-/// A store with a configured table of `partitions`, two sessions, applied up to index 3.
+/// A store with a configured table of `partitions` and two sessions, applied up to index 5.
 async fn applied_store(dir: &std::path::Path, partitions: u32) -> StateMachineStore {
     let mut sm = StateMachineStore::open(tenure::store::open(dir).unwrap()).unwrap();
-    sm.apply(vec![
-        entry(1, Command::Configure { partition_count: partitions, lease_ttl_ms: 1000 }),
-        entry(2, Command::Join { name: "w1".into(), weight: 1, secret: "s1".into() }),
-        entry(3, Command::Join { name: "w2".into(), weight: 1, secret: "s2".into() }),
-    ])
-    .await
-    .unwrap();
+    sm.apply(two_joins(partitions)).await.unwrap();
     sm
 }
 
@@ -130,5 +143,5 @@ async fn snapshots_are_binary_with_a_format_version_and_an_unknown_version_is_re
         fresh.install_snapshot(&snapshot.meta, Box::new(std::io::Cursor::new(vec![1, 0xff, 0xff]))).await;
     assert!(garbage.is_err());
     assert_eq!(fresh.shared().read().unwrap().state.partitions().len(), 8, "the table is untouched");
-    assert_eq!(fresh.applied_state().await.unwrap().0.map(|l| l.index), Some(3));
+    assert_eq!(fresh.applied_state().await.unwrap().0.map(|l| l.index), Some(5));
 }

@@ -15,7 +15,11 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 /// The format this build writes, and the only one it reads.
-pub const FORMAT: u8 = 1;
+///
+/// History: 1, the first binary format; 2, placement decided by the leader (a `Place` command,
+/// a partition row's `next` receiver, the revoke budget in the configuration). A version-1 store
+/// is refused by name rather than read as something it is not.
+pub const FORMAT: u8 = 2;
 
 /// Why bytes could not be read as a value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -20,6 +20,7 @@ pub mod codec;
 pub mod lease;
 pub mod ownership;
 pub mod placement;
+pub mod planner;
 pub mod proto;
 pub mod raft;
 pub mod server;

@@ -1,9 +1,11 @@
 //! Placement: a pure function from (members, weights, current assignment) to the target
 //! assignment.
 //!
-//! It runs inside the replicated state machine, so it must be deterministic on every replica:
-//! no randomness, no clock, no iteration over hash maps, and a ring hashed with xxHash64 (seed 0)
-//! rather than the standard library's hasher, whose output may change between Rust releases.
+//! Only the leader runs it ([`crate::planner`]), and the log carries what it decided, so a
+//! change to these rules between versions cannot make replicas diverge. It is still
+//! deterministic (no randomness, no clock, no iteration over hash maps, a ring hashed with
+//! xxHash64 rather than the standard library's hasher), so that a leader change does not undo
+//! the previous leader's choices and a restarted worker finds its partitions again.
 //!
 //! Invariants kept here (checked by the property tests in `tests/placement.rs`):
 //! - Balance: every member's target count is `floor(P * w / W)` or one more, so counts by weight
@@ -22,8 +24,9 @@ use xxhash_rust::xxh64::Xxh64Builder;
 
 /// Ring entries per unit of weight.
 pub const VNODES_PER_WEIGHT: u32 = 16;
-/// Weights above this are clamped, which bounds the size of the ring.
-pub const MAX_WEIGHT: u32 = 1000;
+/// Weights above this are clamped, which bounds the size of the ring. Joins with a higher
+/// weight are refused.
+pub use crate::ownership::MAX_WEIGHT;
 
 /// One eligible member: a live session that is not leaving.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -92,6 +95,17 @@ fn weight_of(m: &Member) -> u32 {
 /// partition `p`; holders that are not in `members` count as gone. With no members, every
 /// partition's target is `None`.
 pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<SessionId>> {
+    place_with_seed(members, current, 0)
+}
+
+/// [`place`] with the affinity ring hashed under another seed. Balance and minimal movement are
+/// the same; which member a moving partition prefers differs. Two seeds stand for two versions
+/// of the placement rules (the rolling-upgrade test runs nodes with different seeds).
+pub fn place_with_seed(
+    members: &[Member],
+    current: &[Option<SessionId>],
+    ring_seed: u64,
+) -> Vec<Option<SessionId>> {
     let partitions = current.len() as u32;
     if members.is_empty() {
         return vec![None; current.len()];
@@ -130,7 +144,7 @@ pub fn place(members: &[Member], current: &[Option<SessionId>]) -> Vec<Option<Se
 
     // One sort for the whole ring: `add` sorts after every node, which made building the ring
     // quadratic in the number of members (a join among 10,000 workers took seconds).
-    let mut ring: HashRing<VNode<'_>, Xxh64Builder> = HashRing::with_hasher(Xxh64Builder::new(0));
+    let mut ring: HashRing<VNode<'_>, Xxh64Builder> = HashRing::with_hasher(Xxh64Builder::new(ring_seed));
     let vnodes = members.iter().enumerate().flat_map(|(i, m)| {
         (0..weight_of(m) * VNODES_PER_WEIGHT).map(move |replica| VNode {
             member: i,

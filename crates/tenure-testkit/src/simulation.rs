@@ -67,6 +67,9 @@ pub struct SimConfig {
     /// A deliberate bug for the checker to catch (the library's order before it was fixed): a
     /// release is sent first and belief withdrawn only when its answer arrives.
     pub release_before_withdraw: bool,
+    /// The cluster's revoke budget (odd seeds have one of 1 to 3 partitions, so a sweep covers
+    /// moves in waves).
+    pub max_revoking: Option<u32>,
 }
 
 impl SimConfig {
@@ -84,6 +87,7 @@ impl SimConfig {
             fencing: true,
             lease_from_reply: false,
             release_before_withdraw: false,
+            max_revoking: (seed % 2 == 1).then_some(1 + (seed / 2 % 3) as u32),
         }
     }
 
@@ -255,6 +259,8 @@ struct Sim {
     next_leader_ttl: Duration,
     /// The committed commands, for the replicas that replay them after the run.
     log: Vec<(u64, Command)>,
+    /// A placement decision is on its way to commit: the next is made on the table it leaves.
+    placing: bool,
     // Workers and store.
     workers: Vec<SimWorker>,
     fences: FenceTable,
@@ -334,6 +340,7 @@ impl Sim {
         self.propose_now(Command::Configure {
             partition_count: self.config.partition_count,
             lease_ttl_ms: self.config.lease_ttl_ms,
+            max_revoking: self.config.max_revoking,
         });
         self.at(0, Ev::ExpiryCheck);
         for w in 0..self.workers.len() {
@@ -545,6 +552,20 @@ impl Sim {
         }
     }
 
+    /// As the server's duty loop: with no decision in flight, decide on the applied table and
+    /// propose. Leaders of odd and even terms run different placement rules (another ring
+    /// seed), as the two versions of a rolling upgrade would; the log carries their decisions.
+    fn place(&mut self) {
+        if !self.leader_up || self.placing {
+            return;
+        }
+        let rules = tenure_coordinator::planner::Rules { ring_seed: self.epoch % 2 };
+        if let Some(command) = tenure_coordinator::planner::plan(&self.state, &rules) {
+            self.placing = true;
+            self.propose_now(command);
+        }
+    }
+
     fn propose_now(&mut self, command: Command) {
         let d = self.rng.random_range(MS..5 * MS);
         self.at(d, Ev::Commit { epoch: self.epoch, command, from: None });
@@ -642,6 +663,9 @@ impl Sim {
                 let now = self.instant(self.now);
                 self.leases = LeaseTable::for_new_term(now, &self.state, self.next_leader_ttl);
                 self.next_leader_ttl = Duration::from_millis(self.config.lease_ttl_ms);
+                // The old leader's decision in flight died with it.
+                self.placing = false;
+                self.place();
                 // Every worker's stream moves to the new leader.
                 for w in 0..self.workers.len() {
                     self.reopen_watch(w);
@@ -791,6 +815,10 @@ impl Sim {
         self.index += 1;
         let (response, events) = self.state.apply(self.index, &command);
         self.log.push((self.index, command.clone()));
+        if matches!(command, Command::Place { .. }) {
+            self.placing = false;
+        }
+        self.place();
         let now = self.instant(self.now);
         // As the server's leader does after each applied entry.
         self.leases.adopt(self.state.config());
@@ -904,6 +932,11 @@ impl Sim {
     /// Every partition owned by a live worker's session, nothing revoking, every worker
     /// believing exactly its rows.
     fn fully_owned(&self) -> bool {
+        // A decision in flight, or one the leader has still to make (a join that has not been
+        // placed yet), is a table still moving.
+        if self.placing {
+            return false;
+        }
         if !self.leader_up
             || self.workers.iter().any(|w| !w.alive || w.frozen || w.cut || w.session.is_none())
         {
@@ -999,6 +1032,7 @@ pub fn simulate(config: &SimConfig) -> SimOutcome {
         leader_up: true,
         leases: LeaseTable::new(ttl),
         next_leader_ttl: ttl,
+        placing: false,
         log: Vec::new(),
         workers,
         fences: FenceTable::default(),

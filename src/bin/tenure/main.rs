@@ -100,6 +100,10 @@ struct ServeArgs {
     /// Lease TTL in milliseconds (fixed when the cluster is created).
     #[arg(long, env = "TENURE_LEASE_TTL_MS", default_value_t = 5000)]
     lease_ttl_ms: u64,
+    /// Most partitions revoking at once, so joins, leaves and weight changes move the table in
+    /// bounded waves (fixed when the cluster is created; default: no limit).
+    #[arg(long, env = "TENURE_MAX_REVOKING")]
+    max_revoking: Option<u32>,
     /// Raft election timeout (lower bound) in milliseconds.
     #[arg(long, env = "TENURE_ELECTION_TIMEOUT_MS", default_value_t = 500)]
     election_timeout_ms: u64,
@@ -300,6 +304,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     let mut config = NodeConfig::new(args.id, peers, args.data_dir);
     config.partition_count = args.partitions;
     config.lease_ttl = Duration::from_millis(args.lease_ttl_ms);
+    config.max_revoking = args.max_revoking;
     config.election_timeout = Duration::from_millis(args.election_timeout_ms);
     config.raft_heartbeat_interval =
         args.raft_heartbeat_ms.map_or(config.election_timeout / 5, Duration::from_millis);

@@ -7,8 +7,8 @@ use serde::{Deserialize, Serialize};
 /// applying it is deterministic.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Command {
-    /// Fix the partition count and lease TTL; proposed once by the first leader.
-    Configure { partition_count: u32, lease_ttl_ms: u64 },
+    /// Fix the partition count, lease TTL and revoke budget; proposed once by the first leader.
+    Configure { partition_count: u32, lease_ttl_ms: u64, max_revoking: Option<u32> },
     /// A worker joins under a stable name. The leader generated `secret`.
     Join { name: String, weight: u32, secret: String },
     /// The owner gives partitions back (after a revoke, or of its own accord). `tokens`, when
@@ -33,6 +33,28 @@ pub enum Command {
     /// partition, owner and the grant's token. A grant that is no longer the partition's
     /// current, revoking one (released and granted again since) is left alone.
     ExpireRevoking { partitions: Vec<(PartitionId, SessionId, FencingToken)> },
+    /// The leader's placement decision, made on the table as it had applied it: grant these
+    /// unowned partitions, and ask these owners to give theirs up. Apply checks every move
+    /// against the table it holds and applies all of them or none; a decision made on a table
+    /// that has changed since is refused whole, and the leader decides again.
+    Place { grants: Vec<Grant>, revokes: Vec<Revoke> },
+}
+
+/// Give an unowned partition to a member. The token is the index of the entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    pub partition: PartitionId,
+    pub session: SessionId,
+}
+
+/// Ask `session`, which holds `partition` under `token`, to give it up; once it is released
+/// (or its lease runs out) it goes to `next` in that same entry, if `next` can still take it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Revoke {
+    pub partition: PartitionId,
+    pub session: SessionId,
+    pub token: FencingToken,
+    pub next: SessionId,
 }
 
 /// What the proposer of a command is told.
@@ -53,6 +75,10 @@ pub enum Response {
     Expired {
         partitions: u32,
     },
+    Placed {
+        granted: u32,
+        revoking: u32,
+    },
     Rejected(Rejection),
 }
 
@@ -62,8 +88,8 @@ pub enum Response {
 pub enum Rejection {
     #[error("the cluster has no partition table yet")]
     NotConfigured,
-    #[error("the cluster is configured with {have_partitions} partitions and a {have_ttl_ms} ms lease TTL; refusing {want_partitions} partitions and {want_ttl_ms} ms")]
-    ConfigMismatch { have_partitions: u32, have_ttl_ms: u64, want_partitions: u32, want_ttl_ms: u64 },
+    #[error("the cluster is configured as {have:?}; refusing {want:?}")]
+    ConfigMismatch { have: super::Config, want: super::Config },
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
     #[error("unknown session {0}")]
@@ -76,10 +102,16 @@ pub enum Rejection {
     NotOwner { partition: PartitionId, session: SessionId },
     #[error("invalid worker name: {0}")]
     InvalidName(String),
-    #[error("invalid weight {0}: must be between 1 and {max}", max = crate::placement::MAX_WEIGHT)]
+    #[error("invalid weight {0}: must be between 1 and {max}", max = super::MAX_WEIGHT)]
     InvalidWeight(u32),
     #[error("a release names {partitions} partitions but {tokens} tokens")]
     TokensMismatch { partitions: usize, tokens: usize },
+    #[error("the placement decision for partition {0} was made on a table that has changed since")]
+    StalePlacement(PartitionId),
+    #[error("session {0} cannot be given partitions: it is unknown or leaving")]
+    NotEligible(SessionId),
+    #[error("partition {0} is named twice in one placement decision")]
+    DuplicateMove(PartitionId),
 }
 
 /// Why an owner lost a partition without releasing it.

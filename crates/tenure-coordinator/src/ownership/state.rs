@@ -1,29 +1,36 @@
 //! The ownership table and the pure `apply` that changes it.
 
-use super::command::{Command, Event, LossReason, Rejection, Response};
+use super::command::{Command, Event, Grant, LossReason, Rejection, Response, Revoke};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::KeySpace;
-use crate::placement::{self, Member};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Longest worker name accepted, in bytes.
 pub const MAX_NAME_BYTES: usize = 256;
+/// Highest weight a member may have; it bounds the leader's placement ring.
+pub const MAX_WEIGHT: u32 = 1000;
 
 /// Fixed at cluster creation by the first `Configure`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Config {
     pub partition_count: u32,
     pub lease_ttl_ms: u64,
+    /// The blast-radius budget: most partitions the leader keeps revoking at once (`None`: no
+    /// limit). Apply does not enforce it (a decision is checked against the table, not against
+    /// policy); the leader's planner does, from this replicated value.
+    pub max_revoking: Option<u32>,
 }
 
 /// One partition's row. `token` is the token of the current grant, or of the last one when the
-/// partition is unowned (0 if it was never granted).
+/// partition is unowned (0 if it was never granted). `next` is set only while the partition is
+/// revoking: the member the leader chose to receive it once the owner lets go.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PartitionRecord {
     pub owner: Option<SessionId>,
     pub token: FencingToken,
     pub revoking: bool,
+    pub next: Option<SessionId>,
 }
 
 /// One live session.
@@ -149,10 +156,7 @@ impl OwnershipState {
     pub fn apply(&mut self, index: u64, command: &Command) -> (Response, Vec<Event>) {
         let mut events = Vec::new();
         let response = match self.apply_inner(index, command, &mut events) {
-            Ok(response) => {
-                self.reconcile(index, &mut events);
-                response
-            }
+            Ok(response) => response,
             Err(rejection) => {
                 debug_assert!(events.is_empty(), "a rejected command must not emit events");
                 Response::Rejected(rejection)
@@ -163,14 +167,16 @@ impl OwnershipState {
 
     fn apply_inner(
         &mut self,
-        _index: u64,
+        index: u64,
         command: &Command,
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
         match command {
-            Command::Configure { partition_count, lease_ttl_ms } => {
-                self.configure(*partition_count, *lease_ttl_ms)
-            }
+            Command::Configure { partition_count, lease_ttl_ms, max_revoking } => self.configure(Config {
+                partition_count: *partition_count,
+                lease_ttl_ms: *lease_ttl_ms,
+                max_revoking: *max_revoking,
+            }),
             Command::Join { name, weight, secret } => self.join(name, *weight, secret, events),
             Command::Release { session, secret, partitions, tokens } => {
                 if !tokens.is_empty() && tokens.len() != partitions.len() {
@@ -179,18 +185,19 @@ impl OwnershipState {
                         tokens: tokens.len(),
                     });
                 }
-                self.release(*session, secret, partitions, tokens, events)
+                self.release(index, *session, secret, partitions, tokens, events)
             }
             Command::ReleaseAll { session, secret } => {
                 self.authenticate(*session, secret)?;
                 self.require_config()?;
                 let mine: Vec<PartitionId> = self.owned_by(*session).into_iter().map(|(p, _)| p).collect();
-                self.release(*session, secret, &mine, &[], events)
+                self.release(index, *session, secret, &mine, &[], events)
             }
             Command::Leave { session, secret } => {
                 self.authenticate(*session, secret)?;
                 self.require_config()?;
                 self.mark_leaving(*session);
+                self.end_if_idle(*session, events);
                 Ok(Response::Left)
             }
             Command::Expire { sessions } => {
@@ -200,7 +207,7 @@ impl OwnershipState {
                     if !self.sessions.contains_key(&session) {
                         continue;
                     }
-                    lost += self.lose_all(session, LossReason::SessionExpired, events);
+                    lost += self.lose_all(index, session, LossReason::SessionExpired, events);
                     self.end_session(session, events);
                 }
                 Ok(Response::Expired { partitions: lost })
@@ -213,18 +220,117 @@ impl OwnershipState {
                         continue;
                     };
                     if record.owner == Some(session) && record.token == token && record.revoking {
-                        self.set_partition(p, PartitionRecord { owner: None, revoking: false, ..record });
+                        self.set_partition(p, PartitionRecord { token: record.token, ..Default::default() });
                         events.push(Event::Lost {
                             partition: p,
                             session,
                             token: record.token,
                             reason: LossReason::RevokeExpired,
                         });
+                        self.hand_over(index, p, record, events);
+                        self.end_if_idle(session, events);
                         lost += 1;
                     }
                 }
                 Ok(Response::Expired { partitions: lost })
             }
+            Command::Place { grants, revokes } => self.place(index, grants, revokes, events),
+        }
+    }
+
+    /// Applies the leader's decision, all of it or none: every move is checked against this
+    /// table before anything changes.
+    fn place(
+        &mut self,
+        index: u64,
+        grants: &[Grant],
+        revokes: &[Revoke],
+        events: &mut Vec<Event>,
+    ) -> Result<Response, Rejection> {
+        let config = self.require_config()?;
+        let mut named = BTreeSet::new();
+        let mut row = |p: PartitionId| {
+            let record = self
+                .partitions
+                .get(p.0 as usize)
+                .ok_or(Rejection::PartitionOutOfRange { partition: p.0, count: config.partition_count })?;
+            if !named.insert(p) {
+                return Err(Rejection::DuplicateMove(p));
+            }
+            Ok(*record)
+        };
+        for g in grants {
+            let record = row(g.partition)?;
+            self.require_eligible(g.session)?;
+            if record.owner.is_some() {
+                return Err(Rejection::StalePlacement(g.partition));
+            }
+        }
+        for r in revokes {
+            let record = row(r.partition)?;
+            self.require_eligible(r.next)?;
+            let current = record.owner == Some(r.session) && record.token == r.token && !record.revoking;
+            if !current || r.next == r.session {
+                return Err(Rejection::StalePlacement(r.partition));
+            }
+        }
+        for g in grants {
+            self.grant(index, g.partition, g.session, events);
+        }
+        for r in revokes {
+            let record = self.partitions[r.partition.0 as usize];
+            self.set_partition(r.partition, PartitionRecord { revoking: true, next: Some(r.next), ..record });
+            events.push(Event::Revoking { partition: r.partition, session: r.session, token: record.token });
+        }
+        Ok(Response::Placed { granted: grants.len() as u32, revoking: revokes.len() as u32 })
+    }
+
+    /// A session that may be given partitions: live and not leaving.
+    fn eligible(&self, session: SessionId) -> bool {
+        self.sessions.get(&session).is_some_and(|r| !r.leaving)
+    }
+
+    fn require_eligible(&self, session: SessionId) -> Result<(), Rejection> {
+        if self.eligible(session) {
+            Ok(())
+        } else {
+            Err(Rejection::NotEligible(session))
+        }
+    }
+
+    /// Grants an unowned partition under the token `index`, the entry's log index.
+    fn grant(&mut self, index: u64, partition: PartitionId, session: SessionId, events: &mut Vec<Event>) {
+        let record = self.partitions[partition.0 as usize];
+        debug_assert!(record.owner.is_none(), "{partition} granted while owned");
+        let token = FencingToken(index);
+        assert!(token > record.token, "token for {partition} would not grow: {} -> {token}", record.token);
+        self.set_partition(
+            partition,
+            PartitionRecord { owner: Some(session), token, revoking: false, next: None },
+        );
+        events.push(Event::Granted { partition, session, token });
+    }
+
+    /// A revoking partition that has just been let go goes to the member the leader chose for
+    /// it, in the same entry, if that member can still take it; otherwise it stays unowned and
+    /// the leader places it again.
+    fn hand_over(
+        &mut self,
+        index: u64,
+        partition: PartitionId,
+        was: PartitionRecord,
+        events: &mut Vec<Event>,
+    ) {
+        if let Some(next) = was.next.filter(|n| self.eligible(*n)) {
+            self.grant(index, partition, next, events);
+        }
+    }
+
+    /// Ends a leaving session once it owns nothing.
+    fn end_if_idle(&mut self, session: SessionId, events: &mut Vec<Event>) {
+        let leaving = self.sessions.get(&session).is_some_and(|r| r.leaving);
+        if leaving && self.owned_count(session) == 0 {
+            self.end_session(session, events);
         }
     }
 
@@ -232,24 +338,22 @@ impl OwnershipState {
         self.config.ok_or(Rejection::NotConfigured)
     }
 
-    fn configure(&mut self, partition_count: u32, lease_ttl_ms: u64) -> Result<Response, Rejection> {
+    fn configure(&mut self, want: Config) -> Result<Response, Rejection> {
         if let Some(have) = self.config {
-            if have.partition_count == partition_count && have.lease_ttl_ms == lease_ttl_ms {
+            if have == want {
                 return Ok(Response::Configured);
             }
-            return Err(Rejection::ConfigMismatch {
-                have_partitions: have.partition_count,
-                have_ttl_ms: have.lease_ttl_ms,
-                want_partitions: partition_count,
-                want_ttl_ms: lease_ttl_ms,
-            });
+            return Err(Rejection::ConfigMismatch { have, want });
         }
-        KeySpace::new(partition_count).map_err(|e| Rejection::InvalidConfig(e.to_string()))?;
-        if lease_ttl_ms == 0 {
+        KeySpace::new(want.partition_count).map_err(|e| Rejection::InvalidConfig(e.to_string()))?;
+        if want.lease_ttl_ms == 0 {
             return Err(Rejection::InvalidConfig("lease TTL must be positive".into()));
         }
-        self.config = Some(Config { partition_count, lease_ttl_ms });
-        self.partitions = vec![PartitionRecord::default(); partition_count as usize];
+        if want.max_revoking == Some(0) {
+            return Err(Rejection::InvalidConfig("the revoke budget must be at least 1".into()));
+        }
+        self.config = Some(want);
+        self.partitions = vec![PartitionRecord::default(); want.partition_count as usize];
         self.owned.clear();
         self.changes.meta = true;
         Ok(Response::Configured)
@@ -270,6 +374,7 @@ impl OwnershipState {
         let superseded = self.sessions.iter().find(|(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s);
         if let Some(old) = superseded {
             self.mark_leaving(old);
+            self.end_if_idle(old, events);
         }
         self.next_session += 1;
         let session = SessionId(self.next_session);
@@ -284,6 +389,7 @@ impl OwnershipState {
 
     fn release(
         &mut self,
+        index: u64,
         session: SessionId,
         secret: &str,
         partitions: &[PartitionId],
@@ -311,10 +417,12 @@ impl OwnershipState {
             if tokens.get(i).is_some_and(|t| *t != record.token) {
                 continue; // granted to this session again since: the newer grant stays
             }
-            self.set_partition(p, PartitionRecord { owner: None, revoking: false, ..record });
+            self.set_partition(p, PartitionRecord { token: record.token, ..Default::default() });
             events.push(Event::Released { partition: p, session, token: record.token });
+            self.hand_over(index, p, record, events);
             released.push(p);
         }
+        self.end_if_idle(session, events);
         Ok(Response::Released { partitions: released })
     }
 
@@ -328,18 +436,23 @@ impl OwnershipState {
         }
     }
 
-    fn lose_all(&mut self, session: SessionId, reason: LossReason, events: &mut Vec<Event>) -> u32 {
-        let mut lost = 0;
-        for p in 0..self.partitions.len() {
-            let record = self.partitions[p];
-            if record.owner == Some(session) {
-                let partition = PartitionId(p as u32);
-                self.set_partition(partition, PartitionRecord { owner: None, revoking: false, ..record });
-                events.push(Event::Lost { partition, session, token: record.token, reason });
-                lost += 1;
-            }
+    /// Takes every partition a session owns (from the owner index: the cost is what it owns).
+    fn lose_all(
+        &mut self,
+        index: u64,
+        session: SessionId,
+        reason: LossReason,
+        events: &mut Vec<Event>,
+    ) -> u32 {
+        let mine: Vec<u32> = self.owned.get(&session).into_iter().flatten().copied().collect();
+        for &p in &mine {
+            let partition = PartitionId(p);
+            let record = self.partitions[p as usize];
+            self.set_partition(partition, PartitionRecord { token: record.token, ..Default::default() });
+            events.push(Event::Lost { partition, session, token: record.token, reason });
+            self.hand_over(index, partition, record, events);
         }
-        lost
+        mine.len() as u32
     }
 
     fn end_session(&mut self, session: SessionId, events: &mut Vec<Event>) {
@@ -373,62 +486,10 @@ impl OwnershipState {
         }
         self.changes.partitions.insert(p.0);
     }
-
-    /// Brings the table towards the placement target: grants unowned partitions, revokes
-    /// misplaced ones, and ends leaving sessions that own nothing.
-    fn reconcile(&mut self, index: u64, events: &mut Vec<Event>) {
-        if self.config.is_none() {
-            return;
-        }
-        let members: Vec<Member> = self
-            .sessions
-            .iter()
-            .filter(|(_, r)| !r.leaving)
-            .map(|(s, r)| Member { session: *s, name: r.name.clone(), weight: r.weight })
-            .collect();
-        let current: Vec<Option<SessionId>> = self.partitions.iter().map(|r| r.owner).collect();
-        let target = placement::place(&members, &current);
-        let token = FencingToken(index);
-        for (p, want) in target.into_iter().enumerate() {
-            let record = self.partitions[p];
-            let partition = PartitionId(p as u32);
-            match (record.owner, want) {
-                (None, Some(session)) => {
-                    assert!(
-                        token > record.token,
-                        "token for {partition} would not grow: {} -> {}",
-                        record.token,
-                        token
-                    );
-                    self.set_partition(
-                        partition,
-                        PartitionRecord { owner: Some(session), token, revoking: false },
-                    );
-                    events.push(Event::Granted { partition, session, token });
-                }
-                (Some(owner), want) if want != Some(owner) && !record.revoking => {
-                    self.set_partition(partition, PartitionRecord { revoking: true, ..record });
-                    events.push(Event::Revoking { partition, session: owner, token: record.token });
-                }
-                _ => {}
-            }
-        }
-        let mut owning = BTreeSet::new();
-        owning.extend(self.partitions.iter().filter_map(|r| r.owner));
-        let idle: Vec<SessionId> = self
-            .sessions
-            .iter()
-            .filter(|(s, r)| r.leaving && !owning.contains(*s))
-            .map(|(s, _)| *s)
-            .collect();
-        for session in idle {
-            self.end_session(session, events);
-        }
-    }
 }
 
 /// What a join must satisfy whatever the table holds: a name of 1 to [`MAX_NAME_BYTES`] bytes
-/// without control characters, and a weight from 1 to [`placement::MAX_WEIGHT`]. Apply checks
+/// without control characters, and a weight from 1 to [`MAX_WEIGHT`]. Apply checks
 /// it, and so does the server before proposing, so a join that would be refused never becomes a
 /// log entry.
 pub fn check_join(name: &str, weight: u32) -> Result<(), Rejection> {
@@ -437,7 +498,7 @@ pub fn check_join(name: &str, weight: u32) -> Result<(), Rejection> {
             "must be 1 to {MAX_NAME_BYTES} bytes without control characters"
         )));
     }
-    if weight == 0 || weight > placement::MAX_WEIGHT {
+    if weight == 0 || weight > MAX_WEIGHT {
         return Err(Rejection::InvalidWeight(weight));
     }
     Ok(())

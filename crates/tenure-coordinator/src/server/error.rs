@@ -48,6 +48,10 @@ impl CoordinatorError {
                 Rejection::InvalidName(_) => "invalid_name",
                 Rejection::InvalidWeight(_) => "invalid_weight",
                 Rejection::TokensMismatch { .. } => "invalid_argument",
+                // Only the leader's own placement commands meet these.
+                Rejection::StalePlacement(_) => "stale_placement",
+                Rejection::NotEligible(_) => "not_eligible",
+                Rejection::DuplicateMove(_) => "invalid_argument",
             },
         }
     }
@@ -65,12 +69,16 @@ impl From<CoordinatorError> for tonic::Status {
                 Rejection::UnknownSession(_) => Code::NotFound,
                 Rejection::WrongSecret(_) => Code::PermissionDenied,
                 Rejection::PartitionOutOfRange { .. } => Code::OutOfRange,
-                Rejection::NotOwner { .. } | Rejection::ConfigMismatch { .. } => Code::FailedPrecondition,
+                Rejection::NotOwner { .. }
+                | Rejection::ConfigMismatch { .. }
+                | Rejection::StalePlacement(_)
+                | Rejection::NotEligible(_) => Code::FailedPrecondition,
                 Rejection::NotConfigured => Code::Unavailable,
                 Rejection::InvalidName(_)
                 | Rejection::InvalidWeight(_)
                 | Rejection::InvalidConfig(_)
-                | Rejection::TokensMismatch { .. } => Code::InvalidArgument,
+                | Rejection::TokensMismatch { .. }
+                | Rejection::DuplicateMove(_) => Code::InvalidArgument,
             },
         };
         let mut status = tonic::Status::new(code, e.to_string());

@@ -1,5 +1,5 @@
-//! The leader's duties: configure a new cluster, keep the lease table, propose expiries, and
-//! acknowledge renewals in batches after a quorum round.
+//! The leader's duties: configure a new cluster, decide placement and propose it, keep the
+//! lease table, propose expiries, and acknowledge renewals in batches after a quorum round.
 
 use super::{CoordinatorError, Node, PendingRenewal};
 use crate::lease::{Due, LeaseTable};
@@ -44,7 +44,15 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     // is applied, so one at a time is enough and a failed one is retried on a later tick.
     // Dropping it (on a leadership change) abandons the wait, not the entry.
     let mut proposing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
+    // The placement decision in flight, if any, and whether the table changed since the last
+    // decision was made. One at a time: the next is made on the table the previous one left.
+    let mut placing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
+    let mut replan = false;
     loop {
+        if replan && placing.is_none() && leading_term.is_some() {
+            replan = false;
+            placing = next_placement(&node).map(|f| Box::pin(f) as Pin<Box<dyn Future<Output = ()> + Send>>);
+        }
         tokio::select! {
             _ = cancel.cancelled() => return,
             changed = metrics.changed() => {
@@ -57,11 +65,14 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     (true, Some(term)) if term == m.current_term => {}
                     (true, _) => {
                         proposing = None;
+                        placing = None;
+                        replan = true;
                         leading_term = Some(m.current_term);
                         become_leader(&node, m.current_term);
                     }
                     (false, Some(_)) => {
                         proposing = None;
+                        placing = None;
                         leading_term = None;
                         *node.leases.lock().expect("lease lock poisoned") = None;
                         tracing::info!(node = node.config.id, "no longer the leader");
@@ -70,10 +81,14 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                 }
             }
             received = events.recv() => match received {
-                Ok(applied) => observe(&node, &applied),
+                Ok(applied) => {
+                    observe(&node, &applied);
+                    replan = true;
+                }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Missed events: start every lease over from now, which can only delay expiry.
                     tracing::warn!(missed = n, "lease table fell behind the applied events; resetting");
+                    replan = true;
                     let state = node.state.read().expect("state lock poisoned");
                     if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_mut() {
                         leadership.table.reset(Instant::now(), &state.state);
@@ -83,6 +98,12 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
             },
             _ = async { proposing.as_mut().expect("guarded").await }, if proposing.is_some() => {
                 proposing = None;
+            }
+            _ = async { placing.as_mut().expect("guarded").await }, if placing.is_some() => {
+                // Whatever came of it (applied, refused as stale, not committed), decide again
+                // on the table as it is now.
+                placing = None;
+                replan = true;
             }
             _ = tick.tick() => {
                 if proposing.is_some() {
@@ -100,6 +121,28 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
             }
         }
     }
+}
+
+/// The next placement decision and the future that proposes it, if the table needs one.
+/// Decided on the applied table under the read lock; proposed without it.
+fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 'static> {
+    let command = {
+        let applied = node.state.read().expect("state lock poisoned");
+        crate::planner::plan(&applied.state, &node.config.placement)?
+    };
+    let node = node.clone();
+    Some(async move {
+        if let Command::Place { grants, revokes } = &command {
+            tracing::debug!(grants = grants.len(), revokes = revokes.len(), "proposing placement");
+        }
+        match node.propose(command).await {
+            Ok(_) => {}
+            Err(CoordinatorError::Rejected(r)) => {
+                tracing::debug!(reason = %r, "placement refused; deciding again")
+            }
+            Err(e) => tracing::warn!(error = %e, "could not propose placement"),
+        }
+    })
 }
 
 async fn propose_expiries(node: Arc<Node>, due: Due) {
@@ -133,6 +176,7 @@ fn become_leader(node: &Arc<Node>, term: u64) {
                 let command = Command::Configure {
                     partition_count: node.config.partition_count,
                     lease_ttl_ms: node.config.lease_ttl.as_millis() as u64,
+                    max_revoking: node.config.max_revoking,
                 };
                 match node.propose(command).await {
                     Ok(_) => tracing::info!(partitions = node.config.partition_count, "cluster configured"),
@@ -150,12 +194,23 @@ fn become_leader(node: &Arc<Node>, term: u64) {
 
 /// Says how a node's own settings differ from the cluster's configuration, which wins.
 pub(crate) fn config_differs(config: &super::NodeConfig, have: crate::ownership::Config) -> Option<String> {
-    let want_ttl_ms = config.lease_ttl.as_millis() as u64;
-    (have.partition_count != config.partition_count || have.lease_ttl_ms != want_ttl_ms).then(|| {
+    let want = crate::ownership::Config {
+        partition_count: config.partition_count,
+        lease_ttl_ms: config.lease_ttl.as_millis() as u64,
+        max_revoking: config.max_revoking,
+    };
+    let budget =
+        |b: Option<u32>| b.map_or("no revoke budget".to_string(), |n| format!("a revoke budget of {n}"));
+    (have != want).then(|| {
         format!(
-            "this node was started with {} partitions and a {want_ttl_ms} ms lease TTL, but the cluster \
-             was created with {} partitions and a {} ms lease TTL; the cluster's values are used",
-            config.partition_count, have.partition_count, have.lease_ttl_ms
+            "this node was started with {} partitions, a {} ms lease TTL and {}, but the cluster was \
+             created with {} partitions, a {} ms lease TTL and {}; the cluster's values are used",
+            want.partition_count,
+            want.lease_ttl_ms,
+            budget(want.max_revoking),
+            have.partition_count,
+            have.lease_ttl_ms,
+            budget(have.max_revoking)
         )
     })
 }

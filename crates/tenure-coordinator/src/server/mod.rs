@@ -5,9 +5,10 @@
 //! - [`coordinator`]: the worker-facing API. Joins, releases and leaves become log entries;
 //!   heartbeats do not: they are batched and acknowledged after one quorum round confirms this
 //!   node is still the leader (openraft's `ensure_linearizable`), then extend the in-memory lease.
-//! - [`leader`]: the duties only the leader has: configuring a new cluster, following applied
-//!   events into the [`crate::lease::LeaseTable`] (judged by the cluster's replicated TTL, never
-//!   this node's flag), and proposing expiries when deadlines pass.
+//! - [`leader`]: the duties only the leader has: configuring a new cluster, deciding placement
+//!   ([`crate::planner`]) and proposing it, following applied events into the
+//!   [`crate::lease::LeaseTable`] (judged by the cluster's replicated TTL, never this node's
+//!   flag), and proposing expiries when deadlines pass.
 //! - [`raft_service`]: the receiving end of the Raft transport.
 
 pub mod coordinator;
@@ -45,6 +46,11 @@ pub struct NodeConfig {
     pub data_dir: PathBuf,
     pub partition_count: u32,
     pub lease_ttl: Duration,
+    /// The revoke budget proposed when this node creates the cluster (see
+    /// [`crate::ownership::Config::max_revoking`]); `None` for no limit.
+    pub max_revoking: Option<u32>,
+    /// This node's placement rules when it leads (see [`crate::planner::Rules`]).
+    pub placement: crate::planner::Rules,
     /// How often the leader looks for expired leases.
     pub expiry_check_interval: Duration,
     pub raft_heartbeat_interval: Duration,
@@ -84,6 +90,8 @@ impl NodeConfig {
             data_dir,
             partition_count: 256,
             lease_ttl: Duration::from_secs(5),
+            max_revoking: None,
+            placement: crate::planner::Rules::default(),
             expiry_check_interval: Duration::from_millis(50),
             raft_heartbeat_interval: Duration::from_millis(100),
             election_timeout: Duration::from_millis(500),
@@ -116,6 +124,9 @@ impl NodeConfig {
         if self.raft_heartbeat_interval.is_zero() || self.election_timeout <= self.raft_heartbeat_interval * 2
         {
             return bad("the election timeout must exceed twice the raft heartbeat interval".into());
+        }
+        if self.max_revoking == Some(0) {
+            return bad("the revoke budget must be at least 1 partition".into());
         }
         if self.expiry_check_interval.is_zero() {
             return bad("the expiry check interval must be positive".into());

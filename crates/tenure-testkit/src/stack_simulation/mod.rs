@@ -428,7 +428,9 @@ fn publish_state(node: &server::RunningNode) -> Published {
         term: metrics.current_term,
         last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
         rows,
-        revoking: applied.state.partitions().iter().any(|r| r.revoking),
+        // Still moving: something is revoking, or the leader has a placement still to decide.
+        revoking: applied.state.partitions().iter().any(|r| r.revoking)
+            || tenure_coordinator::planner::plan(&applied.state, &node.node.config.placement).is_some(),
         sessions: applied.state.sessions().iter().filter(|(_, s)| !s.leaving).map(|(id, _)| *id).collect(),
     }
 }
