@@ -48,6 +48,25 @@ impl Story {
         }
     }
 
+    /// w1 and w2 joined and balanced: w2's half released by w1 and granted to w2.
+    fn balanced_pair(partitions: u32) -> (Story, (SessionId, String), (SessionId, String)) {
+        let mut s = Story::new(partitions);
+        let (w1, secret1) = s.join("w1");
+        let w2 = s.join("w2");
+        let partitions = s.revoking(w1);
+        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1.clone(), partitions });
+        (s, (w1, secret1), w2)
+    }
+
+    /// The table is what `before` held (the change list aside).
+    fn unchanged_since(&self, before: &OwnershipState) -> bool {
+        let mut after = self.state.clone();
+        after.take_changes();
+        let mut expected = before.clone();
+        expected.take_changes();
+        after == expected
+    }
+
     fn owned(&self, s: SessionId) -> Vec<u32> {
         self.state.owned_by(s).into_iter().map(|(p, _)| p.0).collect()
     }
@@ -127,15 +146,7 @@ fn a_join_revokes_only_what_the_newcomer_needs_and_the_release_grants_it() {
 
 #[test]
 fn an_expired_session_loses_its_partitions_and_they_are_granted_again() {
-    let mut s = Story::new(6);
-    let (w1, _) = s.join("w1");
-    let (w2, secret2) = s.join("w2");
-    s.commit(Command::Release {
-        tokens: vec![],
-        session: w1,
-        secret: "secret-of-w1".into(),
-        partitions: s.revoking(w1),
-    });
+    let (mut s, (w1, _), (w2, secret2)) = Story::balanced_pair(6);
     let lost_partitions = s.owned(w2);
     let untouched: Vec<_> = s.owned(w1).iter().map(|&p| (p, s.token(p))).collect();
 
@@ -175,15 +186,7 @@ fn a_revoke_that_is_never_released_expires_and_is_granted() {
 
 #[test]
 fn leaving_revokes_everything_and_the_session_ends_when_all_is_released() {
-    let mut s = Story::new(4);
-    let (w1, secret1) = s.join("w1");
-    let (w2, secret2) = s.join("w2");
-    s.commit(Command::Release {
-        tokens: vec![],
-        session: w1,
-        secret: secret1.clone(),
-        partitions: s.revoking(w1),
-    });
+    let (mut s, (w1, _), (w2, secret2)) = Story::balanced_pair(4);
     let (r, _) = s.commit(Command::Leave { session: w2, secret: secret2.clone() });
     assert_eq!(r, Response::Left);
     assert_eq!(s.revoking(w2).len(), 2);
@@ -213,15 +216,7 @@ fn a_rejoin_under_the_same_name_supersedes_the_old_session_gracefully() {
 
 #[test]
 fn rejected_commands_change_nothing() {
-    let mut s = Story::new(4);
-    let (w1, secret1) = s.join("w1");
-    let (w2, secret2) = s.join("w2");
-    s.commit(Command::Release {
-        tokens: vec![],
-        session: w1,
-        secret: secret1.clone(),
-        partitions: s.revoking(w1),
-    });
+    let (mut s, (w1, secret1), (w2, secret2)) = Story::balanced_pair(4);
     let before = s.state.clone();
     let cases = vec![
         (
@@ -276,11 +271,7 @@ fn rejected_commands_change_nothing() {
         let (r, events) = s.commit(command.clone());
         assert_eq!(r, Response::Rejected(want), "{command:?}");
         assert!(events.is_empty());
-        let mut after = s.state.clone();
-        after.take_changes();
-        let mut expected = before.clone();
-        expected.take_changes();
-        assert_eq!(after, expected, "{command:?} changed the table");
+        assert!(s.unchanged_since(&before), "{command:?} changed the table");
     }
     let _ = secret2;
 }
@@ -426,14 +417,6 @@ fn decide(s: &Story) -> Command {
     planner::plan(&s.state, &Rules::default()).expect("the table needs a decision")
 }
 
-fn unchanged(s: &Story, before: &OwnershipState) -> bool {
-    let mut after = s.state.clone();
-    after.take_changes();
-    let mut expected = before.clone();
-    expected.take_changes();
-    after == expected
-}
-
 fn join_alone(s: &mut Story, name: &str) -> SessionId {
     let (r, _) =
         s.commit_alone(Command::Join { name: name.into(), weight: 1, secret: format!("secret-of-{name}") });
@@ -474,7 +457,7 @@ fn a_placement_made_on_a_table_that_changed_is_refused_whole() {
     let (r, events) = s.commit_alone(plan);
     assert_eq!(r, Response::Rejected(Rejection::StalePlacement(gone)));
     assert!(events.is_empty());
-    assert!(unchanged(&s, &before), "none of the other revokes was applied");
+    assert!(s.unchanged_since(&before), "none of the other revokes was applied");
     assert!(s.revoking(w1).is_empty());
     // Decided again on the table as it is, the placement goes through.
     s.commit(Command::Expire { sessions: vec![] });
@@ -484,15 +467,7 @@ fn a_placement_made_on_a_table_that_changed_is_refused_whole() {
 
 #[test]
 fn a_placement_that_breaks_a_rule_of_the_table_is_refused_whole() {
-    let mut s = Story::new(4);
-    let (w1, _) = s.join("w1");
-    let (w2, secret2) = s.join("w2");
-    s.commit(Command::Release {
-        tokens: vec![],
-        session: w1,
-        secret: "secret-of-w1".into(),
-        partitions: s.revoking(w1),
-    });
+    let (mut s, (w1, _), (w2, secret2)) = Story::balanced_pair(4);
     s.commit_alone(Command::Leave { session: w2, secret: secret2 });
     let before = s.state.clone();
     let mine = PartitionId(s.owned(w1)[0]);
@@ -524,7 +499,7 @@ fn a_placement_that_breaks_a_rule_of_the_table_is_refused_whole() {
         let (r, events) = s.commit_alone(command.clone());
         assert_eq!(r, Response::Rejected(want), "{command:?}");
         assert!(events.is_empty());
-        assert!(unchanged(&s, &before), "{command:?} changed the table");
+        assert!(s.unchanged_since(&before), "{command:?} changed the table");
     }
     s.check();
 }
