@@ -5,6 +5,9 @@
 //!   TTL the cluster was created with and told its workers.
 //! - Releasing of one's own accord, leaving and dropping a `Worker` gave partitions away before
 //!   the worker stopped believing in them.
+//! - A leave that is not followed by a release (a client other than our library, or one that
+//!   died between the two calls) revoked nothing: the leave entry emitted no event, so the
+//!   leader never decided again.
 
 mod common;
 
@@ -33,23 +36,35 @@ fn valid_handles(events: &mut UnboundedReceiver<WorkerEvent>) -> BTreeMap<Partit
     handles
 }
 
-/// Waits for the first applied event that `pick` accepts, on any of `feeds`.
-async fn first_applied(
-    feeds: &mut [broadcast::Receiver<Arc<AppliedEvent>>],
-    pick: impl Fn(&Event) -> bool,
-) -> Event {
+/// Every node's applied entries from now on. A follower that lags applies older entries after
+/// the subscription too; `after` (the furthest any node had applied when subscribing) tells
+/// those apart from what happened since.
+struct Feeds {
+    nodes: Vec<broadcast::Receiver<Arc<AppliedEvent>>>,
+    after: u64,
+}
+
+fn feeds(c: &LocalCluster) -> Feeds {
+    let (nodes, applied): (Vec<_>, Vec<u64>) = c.running().map(|n| n.node.applied_events_after()).unzip();
+    Feeds { nodes, after: applied.into_iter().max().unwrap_or(0) }
+}
+
+/// Waits for the first event that `pick` accepts among entries applied after the subscription,
+/// on any node.
+async fn first_applied(feeds: &mut Feeds, pick: impl Fn(&Event) -> bool) -> Event {
+    let after = feeds.after;
     let wait = async {
         loop {
             // Whichever node applies next; `recv` is cancel-safe, so the others lose nothing.
-            let next = feeds.iter_mut().map(|feed| Box::pin(feed.recv()));
+            let next = feeds.nodes.iter_mut().map(|feed| Box::pin(feed.recv()));
             let (received, _, _) = futures::future::select_all(next).await;
             match received {
-                Ok(applied) => {
+                Ok(applied) if applied.index > after => {
                     if let Some(e) = applied.events.iter().find(|e| pick(e)) {
                         return e.clone();
                     }
                 }
-                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
                 Err(broadcast::error::RecvError::Closed) => panic!("a node stopped while watched"),
             }
         }
@@ -75,10 +90,6 @@ fn withdrawn(handles: &BTreeMap<PartitionId, PartitionHandle>, when: &str) {
     for (p, h) in handles {
         assert!(h.cancellation().is_cancelled() && !h.is_valid(), "{p} still believed {when}");
     }
-}
-
-fn feeds(c: &LocalCluster) -> Vec<broadcast::Receiver<Arc<AppliedEvent>>> {
-    c.running().map(|n| n.node.applied_events()).collect()
 }
 
 fn gives_away(session: SessionId) -> impl Fn(&Event) -> bool {
@@ -132,10 +143,16 @@ async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
     let handles = valid_handles(&mut events);
     assert!(!handles.is_empty());
     let session = a.session();
+    // The latest instant `a` may still believe in a partition, by its own lease arithmetic:
+    // read just before the crash, and again after it if the worker's state is still there to
+    // ask (it is freed once its tasks have stopped), in case an answer extended it in between.
+    let latest = |handles: &BTreeMap<PartitionId, PartitionHandle>| {
+        handles.values().filter_map(PartitionHandle::valid_until).max()
+    };
+    // (A lease that lapsed under load since is believed no more: now bounds it.)
+    let before = latest(&handles).unwrap_or_else(Instant::now);
     a.abandon(); // a crash: no more heartbeats
-                 // The latest instant `a` may still believe in a partition, by its own lease arithmetic, read
-                 // once no heartbeat answer can extend it any more.
-    let believed_until = handles.values().filter_map(PartitionHandle::valid_until).max().expect("believed");
+    let believed_until = latest(&handles).map_or(before, |after| after.max(before));
     let lost = first_applied(&mut feeds, gives_away(session)).await;
     let lost_at = Instant::now();
     assert!(
@@ -215,5 +232,53 @@ async fn dropping_a_worker_ends_belief_at_once() {
     let given = first_applied(&mut feeds, gives_away(session)).await;
     assert!(matches!(given, Event::Released { .. }), "{given:?}");
     settled(&c, 1).await;
+    c.shutdown().await;
+}
+
+/// A client of its own speaks the protocol: it joins, heartbeats, and leaves without releasing.
+/// The leader must revoke what it holds; the revoking leases then run out (nobody releases)
+/// and the partitions go to the other worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_leave_without_a_release_still_revokes_everything() {
+    use tenure::proto;
+    use tenure::proto::coordinator_client::CoordinatorClient;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.leader().expect("a leader");
+    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let joined =
+        client.join(proto::JoinRequest { name: "raw".into(), weight: 1 }).await.unwrap().into_inner();
+    let session = SessionId(joined.session_id);
+    // Heartbeats keep the session alive for the whole test, so nothing but the leave can take
+    // its partitions away before the check.
+    let beat = proto::HeartbeatRequest {
+        session_id: joined.session_id,
+        secret: joined.secret.clone(),
+        ..Default::default()
+    };
+    let mut beating = client.clone();
+    let heartbeats = tokio::spawn(async move {
+        for _ in 0..600 {
+            if beating.heartbeat(beat.clone()).await.is_err() {
+                return; // the session ended
+            }
+            tokio::time::sleep(TTL / 5).await;
+        }
+    });
+    eventually("the raw client owns every partition", || async {
+        let status = c.status().await.ok()?;
+        status.partitions.iter().all(|p| p.owner == joined.session_id).then_some(())
+    })
+    .await;
+    let b = worker(&c, "b").await;
+    settled(&c, 2).await;
+
+    let mut feeds = feeds(&c);
+    client.leave(proto::LeaveRequest { session_id: joined.session_id, secret: joined.secret }).await.unwrap();
+    first_applied(&mut feeds, move |e| matches!(e, Event::Revoking { session: s, .. } if *s == session))
+        .await;
+    let status = settled(&c, 1).await;
+    assert!(status.partitions.iter().all(|p| p.owner == b.session().0));
+    heartbeats.abort();
     c.shutdown().await;
 }

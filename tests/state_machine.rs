@@ -561,3 +561,101 @@ fn a_receiver_that_left_before_the_release_does_not_get_the_partition() {
     assert_eq!(s.owned(w1).len(), 4);
     s.check();
 }
+
+#[test]
+fn every_change_placement_reads_is_announced_by_an_event() {
+    // The leader decides again only after an entry that emitted events: a configuration, a
+    // leave or a superseded session that said nothing would never be acted on.
+    let mut s = Story { state: OwnershipState::default(), index: 0 };
+    let config = Config { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None };
+    let (_, events) =
+        s.commit_alone(Command::Configure { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None });
+    assert_eq!(events, vec![Event::Configured { config }]);
+
+    let (mut s, _, (w2, secret2)) = Story::balanced_pair(4);
+    let (r, events) = s.commit_alone(Command::Leave { session: w2, secret: secret2 });
+    assert_eq!((r, events), (Response::Left, vec![Event::SessionLeaving { session: w2 }]));
+    let Command::Place { revokes, .. } = decide(&s) else { panic!("not a placement") };
+    assert_eq!(revokes.len(), 2, "the leaver's partitions are revoked by the leader's next decision");
+
+    let (mut s, (w1, _), _) = Story::balanced_pair(4);
+    let (_, events) = s.commit_alone(Command::Join { name: "w1".into(), weight: 1, secret: "again".into() });
+    assert_eq!(events[0], Event::SessionLeaving { session: w1 }, "{events:?}");
+}
+
+#[test]
+fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
+    // Over a random history of every kind of command (refused ones too), with decisions
+    // applied only now and then so the table is often mid-move: whenever an entry emitted no
+    // event, the plan after it is the plan before it. That is what lets the leader skip
+    // deciding after such an entry.
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let mut s = Story::new(16);
+    let mut sessions: Vec<(SessionId, String)> = Vec::new();
+    let mut silent = 0;
+    for step in 0..2000 {
+        let pick = |rng: &mut rand::rngs::StdRng, sessions: &[(SessionId, String)]| {
+            (!sessions.is_empty()).then(|| sessions[rng.random_range(0..sessions.len())].clone())
+        };
+        let command = match rng.random_range(0..10) {
+            0 => {
+                let name = format!("w{}", rng.random_range(0..5));
+                Command::Join { name, weight: rng.random_range(1..3), secret: format!("s{step}") }
+            }
+            1 => match pick(&mut rng, &sessions) {
+                Some((session, secret)) => Command::Leave { session, secret },
+                None => continue,
+            },
+            2 | 3 => match pick(&mut rng, &sessions) {
+                Some((session, secret)) => {
+                    let mut partitions: Vec<PartitionId> =
+                        s.state.owned_by(session).into_iter().map(|(p, _)| p).collect();
+                    partitions.truncate(rng.random_range(0..3));
+                    Command::Release { session, secret, partitions, tokens: vec![] }
+                }
+                None => continue,
+            },
+            4 => match pick(&mut rng, &sessions) {
+                Some((session, _)) => Command::Expire { sessions: vec![session] },
+                None => continue,
+            },
+            5 => {
+                let revoking: Vec<_> = s
+                    .state
+                    .partitions()
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, r)| r.revoking && rng.random_bool(0.5))
+                    .map(|(p, r)| (PartitionId(p as u32), r.owner.unwrap(), r.token))
+                    .collect();
+                Command::ExpireRevoking { partitions: revoking }
+            }
+            6 => match pick(&mut rng, &sessions) {
+                Some((session, _)) => Command::Leave { session, secret: "wrong".into() },
+                None => Command::Expire { sessions: vec![SessionId(999)] },
+            },
+            7 => Command::Configure { partition_count: 16, lease_ttl_ms: 1000, max_revoking: None },
+            _ => match planner::plan(&s.state, &Rules::default()) {
+                Some(place) => place,
+                None => continue,
+            },
+        };
+        let before = planner::plan(&s.state, &Rules::default());
+        let (response, events) = s.commit_alone(command.clone());
+        if let Response::Joined { session, secret, .. } = &response {
+            sessions.push((*session, secret.clone()));
+        }
+        sessions.retain(|(id, _)| s.state.session(*id).is_some());
+        if events.is_empty() {
+            silent += 1;
+            assert_eq!(
+                planner::plan(&s.state, &Rules::default()),
+                before,
+                "step {step}: {command:?} emitted no event but changed the next decision"
+            );
+        }
+        s.check();
+    }
+    assert!(silent > 100, "the history had too few silent entries to say anything ({silent})");
+}

@@ -178,6 +178,9 @@ impl LeaseTable {
                         moves.push(now.saturating_duration_since(lease.since));
                     }
                 }
+                // A leaving session keeps its lease until its partitions are revoked and
+                // released; the configuration reaches the table through `adopt`.
+                Event::SessionLeaving { .. } | Event::Configured { .. } => {}
             }
         }
         moves

@@ -20,7 +20,10 @@ pub fn decision(event: &Event) -> Option<(PartitionId, SessionId, FencingToken, 
             Some((partition, session, token, Decision::Released))
         }
         Event::Lost { partition, session, token, .. } => Some((partition, session, token, Decision::Lost)),
-        Event::SessionStarted { .. } | Event::SessionEnded { .. } => None,
+        Event::Configured { .. }
+        | Event::SessionStarted { .. }
+        | Event::SessionLeaving { .. }
+        | Event::SessionEnded { .. } => None,
     }
 }
 

@@ -261,6 +261,10 @@ struct Sim {
     log: Vec<(u64, Command)>,
     /// A placement decision is on its way to commit: the next is made on the table it leaves.
     placing: bool,
+    /// Something placement reads changed since the last decision. As the server's leader, the
+    /// model decides again only then: after an entry that emitted events, after its own
+    /// decision landed, and on taking over.
+    replan: bool,
     // Workers and store.
     workers: Vec<SimWorker>,
     fences: FenceTable,
@@ -556,9 +560,10 @@ impl Sim {
     /// propose. Leaders of odd and even terms run different placement rules (another ring
     /// seed), as the two versions of a rolling upgrade would; the log carries their decisions.
     fn place(&mut self) {
-        if !self.leader_up || self.placing {
+        if !self.leader_up || self.placing || !self.replan {
             return;
         }
+        self.replan = false;
         let rules = tenure_coordinator::planner::Rules { ring_seed: self.epoch % 2 };
         if let Some(command) = tenure_coordinator::planner::plan(&self.state, &rules) {
             self.placing = true;
@@ -665,6 +670,7 @@ impl Sim {
                 self.next_leader_ttl = Duration::from_millis(self.config.lease_ttl_ms);
                 // The old leader's decision in flight died with it.
                 self.placing = false;
+                self.replan = true;
                 self.place();
                 // Every worker's stream moves to the new leader.
                 for w in 0..self.workers.len() {
@@ -817,6 +823,10 @@ impl Sim {
         self.log.push((self.index, command.clone()));
         if matches!(command, Command::Place { .. }) {
             self.placing = false;
+            self.replan = true;
+        }
+        if !events.is_empty() {
+            self.replan = true;
         }
         self.place();
         let now = self.instant(self.now);
@@ -924,7 +934,10 @@ impl Sim {
             Event::Revoking { partition, token, .. } => belief.revoking(partition, token),
             Event::Lost { partition, token, .. } => belief.lost(partition, token, now),
             Event::Released { partition, token, .. } => belief.released(partition, token, now),
-            Event::SessionStarted { .. } | Event::SessionEnded { .. } => Vec::new(),
+            Event::Configured { .. }
+            | Event::SessionStarted { .. }
+            | Event::SessionLeaving { .. }
+            | Event::SessionEnded { .. } => Vec::new(),
         };
         self.changes(w, changes);
     }
@@ -1033,6 +1046,7 @@ pub fn simulate(config: &SimConfig) -> SimOutcome {
         leases: LeaseTable::new(ttl),
         next_leader_ttl: ttl,
         placing: false,
+        replan: true,
         log: Vec::new(),
         workers,
         fences: FenceTable::default(),

@@ -95,7 +95,9 @@ struct Inner {
     dial_from: Option<std::net::IpAddr>,
     dialer: Dialer,
     current: usize,
-    channels: std::collections::HashMap<String, Channel>,
+    /// Ordered, not hashed: dropping the client closes the connections in this order, which
+    /// must not depend on the process (the whole-stack simulation replays seeds).
+    channels: std::collections::BTreeMap<String, Channel>,
 }
 
 /// How long one try of [`Client::call`] may take before the client moves to another node.

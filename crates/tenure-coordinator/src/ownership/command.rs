@@ -123,13 +123,47 @@ pub enum LossReason {
     RevokeExpired,
 }
 
-/// What changed, in order, for watchers, metrics and the leader's lease table.
+/// What changed, in order, for watchers, metrics and the leader's lease table and planner.
+///
+/// Every change to what placement reads (the configuration, the members, an owner) emits an
+/// event: the leader decides again only when an applied entry emitted one, so a change that
+/// emitted none would never be acted on.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Event {
-    SessionStarted { session: SessionId, name: String },
-    SessionEnded { session: SessionId },
-    Granted { partition: PartitionId, session: SessionId, token: FencingToken },
-    Revoking { partition: PartitionId, session: SessionId, token: FencingToken },
-    Released { partition: PartitionId, session: SessionId, token: FencingToken },
-    Lost { partition: PartitionId, session: SessionId, token: FencingToken, reason: LossReason },
+    /// The cluster took its configuration (the first `Configure`).
+    Configured {
+        config: super::Config,
+    },
+    SessionStarted {
+        session: SessionId,
+        name: String,
+    },
+    /// The session asked to leave: it gets nothing more, and the leader revokes what it holds.
+    SessionLeaving {
+        session: SessionId,
+    },
+    SessionEnded {
+        session: SessionId,
+    },
+    Granted {
+        partition: PartitionId,
+        session: SessionId,
+        token: FencingToken,
+    },
+    Revoking {
+        partition: PartitionId,
+        session: SessionId,
+        token: FencingToken,
+    },
+    Released {
+        partition: PartitionId,
+        session: SessionId,
+        token: FencingToken,
+    },
+    Lost {
+        partition: PartitionId,
+        session: SessionId,
+        token: FencingToken,
+        reason: LossReason,
+    },
 }

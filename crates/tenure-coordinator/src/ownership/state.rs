@@ -172,11 +172,14 @@ impl OwnershipState {
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
         match command {
-            Command::Configure { partition_count, lease_ttl_ms, max_revoking } => self.configure(Config {
-                partition_count: *partition_count,
-                lease_ttl_ms: *lease_ttl_ms,
-                max_revoking: *max_revoking,
-            }),
+            Command::Configure { partition_count, lease_ttl_ms, max_revoking } => self.configure(
+                Config {
+                    partition_count: *partition_count,
+                    lease_ttl_ms: *lease_ttl_ms,
+                    max_revoking: *max_revoking,
+                },
+                events,
+            ),
             Command::Join { name, weight, secret } => self.join(name, *weight, secret, events),
             Command::Release { session, secret, partitions, tokens } => {
                 if !tokens.is_empty() && tokens.len() != partitions.len() {
@@ -196,7 +199,7 @@ impl OwnershipState {
             Command::Leave { session, secret } => {
                 self.authenticate(*session, secret)?;
                 self.require_config()?;
-                self.mark_leaving(*session);
+                self.mark_leaving(*session, events);
                 self.end_if_idle(*session, events);
                 Ok(Response::Left)
             }
@@ -338,7 +341,7 @@ impl OwnershipState {
         self.config.ok_or(Rejection::NotConfigured)
     }
 
-    fn configure(&mut self, want: Config) -> Result<Response, Rejection> {
+    fn configure(&mut self, want: Config, events: &mut Vec<Event>) -> Result<Response, Rejection> {
         if let Some(have) = self.config {
             if have == want {
                 return Ok(Response::Configured);
@@ -356,6 +359,7 @@ impl OwnershipState {
         self.partitions = vec![PartitionRecord::default(); want.partition_count as usize];
         self.owned.clear();
         self.changes.meta = true;
+        events.push(Event::Configured { config: want });
         Ok(Response::Configured)
     }
 
@@ -373,7 +377,7 @@ impl OwnershipState {
         // it may still be alive and believing in its leases.
         let superseded = self.sessions.iter().find(|(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s);
         if let Some(old) = superseded {
-            self.mark_leaving(old);
+            self.mark_leaving(old, events);
             self.end_if_idle(old, events);
         }
         self.next_session += 1;
@@ -426,12 +430,13 @@ impl OwnershipState {
         Ok(Response::Released { partitions: released })
     }
 
-    fn mark_leaving(&mut self, session: SessionId) {
+    fn mark_leaving(&mut self, session: SessionId, events: &mut Vec<Event>) {
         if let Some(record) = self.sessions.get(&session) {
             if !record.leaving {
                 let mut record = record.clone();
                 record.leaving = true;
                 self.put_session(session, record);
+                events.push(Event::SessionLeaving { session });
             }
         }
     }

@@ -15,7 +15,7 @@ use openraft::raft::{
 use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tenure_worker::transport::Dialer;
@@ -38,7 +38,9 @@ pub struct Network {
     /// Source address of connections to peers, when the node is told to dial from one.
     pub dial_from: Option<std::net::IpAddr>,
     dialer: Dialer,
-    channels: Arc<Mutex<HashMap<String, Channel>>>,
+    /// Ordered, not hashed: dropping the cache closes the connections in its order, and the
+    /// whole-stack simulation replays a seed only if that order is the same in every process.
+    channels: Arc<Mutex<BTreeMap<String, Channel>>>,
 }
 
 impl Network {

@@ -226,7 +226,10 @@ fn observe(node: &Node, applied: &AppliedEvent) {
             Event::Revoking { .. } => counts[1] += 1,
             Event::Released { .. } => counts[2] += 1,
             Event::Lost { .. } => counts[3] += 1,
-            Event::SessionStarted { .. } | Event::SessionEnded { .. } => {}
+            Event::Configured { .. }
+            | Event::SessionStarted { .. }
+            | Event::SessionLeaving { .. }
+            | Event::SessionEnded { .. } => {}
         }
     }
     let names =
