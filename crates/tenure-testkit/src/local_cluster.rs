@@ -181,6 +181,11 @@ impl LocalCluster {
 
     /// Restarts a stopped node with its configuration changed by `tune`, as an operator who
     /// restarts it with other flags would.
+    /// The settings node `id` runs with (as last started).
+    pub fn config(&self, id: NodeId) -> Option<&NodeConfig> {
+        self.configs.get(&id)
+    }
+
     pub async fn restart_with(
         &mut self,
         id: NodeId,

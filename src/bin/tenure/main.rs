@@ -127,6 +127,10 @@ struct ServeArgs {
     /// more are refused.
     #[arg(long, env = "TENURE_MAX_STREAMS", default_value_t = 100_000)]
     max_streams: usize,
+    /// Seed of the placement affinity ring. Two seeds stand for two versions of the placement
+    /// rules, for rolling-upgrade tests; only the leader's applies, through the log.
+    #[arg(long, hide = true, default_value_t = 0)]
+    placement_ring_seed: u64,
 }
 
 #[derive(Args)]
@@ -164,8 +168,8 @@ struct NemesisArgs {
     lease_ttl_ms: u64,
     /// Fault kinds to draw from, comma separated (default: all): freeze-worker, crash-worker,
     /// partition-worker, minority-leader, isolate-leader, pause-leader, kill-leader,
-    /// kill-follower, kill-all, slow-network, restart-other-flags, and what applications do of
-    /// their own accord: release-own-accord, leave-worker, drop-worker.
+    /// kill-follower, kill-all, slow-network, restart-other-flags, upgrade-node, and what
+    /// applications do of their own accord: release-own-accord, leave-worker, drop-worker.
     #[arg(long, value_delimiter = ',')]
     faults: Vec<String>,
     /// Switch the store's fencing check off (the checker must then report violations).
@@ -305,6 +309,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.partition_count = args.partitions;
     config.lease_ttl = Duration::from_millis(args.lease_ttl_ms);
     config.max_revoking = args.max_revoking;
+    config.placement.ring_seed = args.placement_ring_seed;
     config.election_timeout = Duration::from_millis(args.election_timeout_ms);
     config.raft_heartbeat_interval =
         args.raft_heartbeat_ms.map_or(config.election_timeout / 5, Duration::from_millis);

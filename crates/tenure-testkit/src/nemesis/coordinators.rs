@@ -67,6 +67,28 @@ impl Coordinators {
         }
     }
 
+    /// The version of the placement rules node `id` runs (its ring seed).
+    pub(crate) fn rules(&self, id: NodeId) -> u64 {
+        match self {
+            Coordinators::InProcess(c) => c.config(id).map_or(0, |config| config.placement.ring_seed),
+            Coordinators::Processes(c) => c.rules(id),
+        }
+    }
+
+    /// Restarts a killed node running version `ring_seed` of the placement rules; it keeps
+    /// that version for the rest of the run (or until upgraded again).
+    pub(crate) async fn restart_with_rules(&mut self, id: NodeId, ring_seed: u64) -> Result<(), String> {
+        match self {
+            Coordinators::InProcess(c) => c
+                .restart_with(id, |config| config.placement.ring_seed = ring_seed)
+                .await
+                .map_err(|e| e.to_string()),
+            Coordinators::Processes(c) => {
+                c.restart_with_rules(id, ring_seed).map_err(|e: ProcessError| e.to_string())
+            }
+        }
+    }
+
     /// Restarts a killed node with `lease_ttl` on its command line instead of the cluster's;
     /// it keeps that flag for the rest of the run.
     pub(crate) async fn restart_with_ttl(&mut self, id: NodeId, lease_ttl: Duration) -> Result<(), String> {

@@ -80,6 +80,11 @@ pub enum FaultKind {
     SlowNetwork,
     /// A node is killed and restarted with another `--lease-ttl-ms` than the cluster's.
     RestartOtherFlags,
+    /// One step of a rolling upgrade: a node that runs the oldest version of the placement
+    /// rules in the cluster is killed and started again running the next. Nodes of two
+    /// versions then lead in turn; the log carries their decisions, so replicas must still
+    /// agree entry by entry.
+    UpgradeNode,
     /// What applications do of their own accord (not faults, but paths the invariants must
     /// hold on): release a partition that was never revoked, leave, drop the `Worker`; the
     /// last two join again under the same name.
@@ -89,7 +94,7 @@ pub enum FaultKind {
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 14] = [
+    pub const ALL: [FaultKind; 15] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
@@ -101,6 +106,7 @@ impl FaultKind {
         FaultKind::KillAll,
         FaultKind::SlowNetwork,
         FaultKind::RestartOtherFlags,
+        FaultKind::UpgradeNode,
         FaultKind::ReleaseOwnAccord,
         FaultKind::LeaveWorker,
         FaultKind::DropWorker,
@@ -119,6 +125,7 @@ impl FaultKind {
             FaultKind::KillAll => "kill-all",
             FaultKind::SlowNetwork => "slow-network",
             FaultKind::RestartOtherFlags => "restart-other-flags",
+            FaultKind::UpgradeNode => "upgrade-node",
             FaultKind::ReleaseOwnAccord => "release-own-accord",
             FaultKind::LeaveWorker => "leave-worker",
             FaultKind::DropWorker => "drop-worker",
@@ -773,6 +780,19 @@ async fn inject(
             cluster.restart_with_ttl(leader, flag).await.map_err(|e| NemesisError::Restart(leader, e))?;
             recorder.follow(cluster, leader);
             Ok(format!("{} node {leader} with --lease-ttl-ms {}", kind.name(), flag.as_millis()))
+        }
+        FaultKind::UpgradeNode => {
+            // Rolling: the first node still on the oldest version goes next, leader or not.
+            let ids = cluster.ids();
+            let oldest = ids.iter().map(|id| cluster.rules(*id)).min().unwrap_or(0);
+            let id = *ids.iter().find(|id| cluster.rules(**id) == oldest).expect("a node");
+            cluster.kill(id).await;
+            let down = jitter(rng, Duration::from_millis(100), ttl / 2);
+            tokio::time::sleep(down).await;
+            cluster.restart_with_rules(id, oldest + 1).await.map_err(|e| NemesisError::Restart(id, e))?;
+            recorder.follow(cluster, id);
+            let versions: Vec<u64> = ids.iter().map(|id| cluster.rules(*id)).collect();
+            Ok(format!("{} node {id} to placement rules {} (cluster: {versions:?})", kind.name(), oldest + 1))
         }
         FaultKind::PartitionWorker => {
             let n = rng.random_range(0..slots.len());

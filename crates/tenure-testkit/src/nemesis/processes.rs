@@ -80,6 +80,8 @@ pub struct ProcessCluster {
     proxies: BTreeMap<NodeId, FaultProxy>,
     /// Nodes restarted with another lease TTL flag than the cluster's.
     ttl_flags: BTreeMap<NodeId, Duration>,
+    /// `--placement-ring-seed` of nodes upgraded to another version of the placement rules.
+    ring_seeds: BTreeMap<NodeId, u64>,
 }
 
 impl ProcessCluster {
@@ -93,6 +95,7 @@ impl ProcessCluster {
             addrs: BTreeMap::new(),
             proxies: BTreeMap::new(),
             ttl_flags: BTreeMap::new(),
+            ring_seeds: BTreeMap::new(),
         };
         for id in 1..=n {
             // A port free on the node's own address; the process binds it a moment later.
@@ -137,6 +140,7 @@ impl ProcessCluster {
             .args(["--snapshot-after-logs", &s.snapshot_after_logs.to_string()])
             .args(["--dial-from", &node_ip(id).to_string()])
             .arg("--keep-whole-log")
+            .args(["--placement-ring-seed", &self.rules(id).to_string()])
             .env("RUST_LOG", "info,openraft=warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -227,6 +231,17 @@ impl ProcessCluster {
     /// fixed at creation, must win).
     pub fn restart_with_ttl(&mut self, id: NodeId, lease_ttl: Duration) -> Result<(), ProcessError> {
         self.ttl_flags.insert(id, lease_ttl);
+        self.spawn(id)
+    }
+
+    /// The version of the placement rules node `id` runs.
+    pub fn rules(&self, id: NodeId) -> u64 {
+        self.ring_seeds.get(&id).copied().unwrap_or(0)
+    }
+
+    /// Starts a killed node again running version `ring_seed` of the placement rules.
+    pub fn restart_with_rules(&mut self, id: NodeId, ring_seed: u64) -> Result<(), ProcessError> {
+        self.ring_seeds.insert(id, ring_seed);
         self.spawn(id)
     }
 

@@ -69,6 +69,9 @@ pub enum SimFault {
     SlowNetwork,
     /// A node (the leader) restarted with another lease TTL than the cluster was created with.
     RestartOtherFlags,
+    /// One step of a rolling upgrade: the first node on the oldest version of the placement
+    /// rules crashes and comes back running the next version.
+    UpgradeNode,
     /// What applications do of their own accord: release a partition never revoked, leave
     /// gracefully, drop the `Worker`, each followed by a join under the same name.
     ReleaseOwnAccord,
@@ -77,7 +80,7 @@ pub enum SimFault {
 }
 
 impl SimFault {
-    pub const ALL: [SimFault; 14] = [
+    pub const ALL: [SimFault; 15] = [
         SimFault::FreezeWorker,
         SimFault::CrashWorker,
         SimFault::PartitionWorker,
@@ -89,6 +92,7 @@ impl SimFault {
         SimFault::LossyLinks,
         SimFault::SlowNetwork,
         SimFault::RestartOtherFlags,
+        SimFault::UpgradeNode,
         SimFault::ReleaseOwnAccord,
         SimFault::LeaveWorker,
         SimFault::DropWorker,
@@ -107,6 +111,7 @@ impl SimFault {
             SimFault::LossyLinks => "lossy-links",
             SimFault::SlowNetwork => "slow-network",
             SimFault::RestartOtherFlags => "restart-other-flags",
+            SimFault::UpgradeNode => "upgrade-node",
             SimFault::ReleaseOwnAccord => "release-own-accord",
             SimFault::LeaveWorker => "leave-worker",
             SimFault::DropWorker => "drop-worker",
@@ -248,6 +253,8 @@ struct Shared {
     gaps: Arc<Mutex<Vec<String>>>,
     /// The lease TTL a node is started with when it is not the cluster's (other flags).
     flags: Arc<Mutex<BTreeMap<NodeId, Duration>>>,
+    /// The version of the placement rules (ring seed) of nodes upgraded since the start.
+    rules: Arc<Mutex<BTreeMap<NodeId, u64>>>,
     /// How the driver asks each worker's current incarnation to act of its own accord.
     actions: Arc<Mutex<BTreeMap<usize, tokio::sync::mpsc::Sender<Action>>>>,
     worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
@@ -376,6 +383,9 @@ fn add_node(
         let (mut node_config, shared) = (node_config.clone(), shared.clone());
         if let Some(ttl) = shared.flags.lock().expect("flags").get(&id) {
             node_config.lease_ttl = *ttl;
+        }
+        if let Some(seed) = shared.rules.lock().expect("rules").get(&id) {
+            node_config.placement.ring_seed = *seed;
         }
         async move {
             let listener = turmoil::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, PORT)).await?;
@@ -703,6 +713,21 @@ impl Driver<'_> {
                     flag.as_millis(),
                     down.as_millis()
                 ))
+            }
+            SimFault::UpgradeNode => {
+                let (id, version) = {
+                    let rules = self.shared.rules.lock().expect("rules");
+                    let version = |id: NodeId| rules.get(&id).copied().unwrap_or(0);
+                    let ids = 1..=self.config.nodes as NodeId;
+                    let oldest = ids.clone().map(version).min().unwrap_or(0);
+                    (ids.clone().find(|id| version(*id) == oldest).expect("a node"), oldest + 1)
+                };
+                self.crash_node(id);
+                self.shared.rules.lock().expect("rules").insert(id, version);
+                let down = jitter(rng, Duration::from_millis(100), ttl / 2);
+                self.advance(down)?;
+                self.sim.bounce(node_name(id));
+                Ok(format!("{name} {id} to placement rules {version} after {} ms down", down.as_millis()))
             }
             SimFault::ReleaseOwnAccord | SimFault::LeaveWorker | SimFault::DropWorker => {
                 let n = rng.random_range(0..self.config.workers);
