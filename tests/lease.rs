@@ -4,7 +4,7 @@
 use std::time::Duration;
 use tenure::ids::{FencingToken, PartitionId, SessionId};
 use tenure::lease::{Due, LeaseTable};
-use tenure::ownership::{Command, Event, OwnershipState, Response};
+use tenure::ownership::{Command, Event, OwnershipState, Response, SecretHash};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_millis(1000);
@@ -17,10 +17,11 @@ fn state_with_two_sessions() -> (OwnershipState, SessionId, SessionId) {
     // Each join, then the leader's placement after it.
     let mut join = |s: &mut OwnershipState, n: &str| {
         index += 1;
-        let session = match s.apply(index, &Command::Join { name: n.into(), weight: 1, secret: n.into() }).0 {
-            Response::Joined { session, .. } => session,
-            r => panic!("{r:?}"),
-        };
+        let session =
+            match s.apply(index, &Command::Join { name: n.into(), weight: 1, secret: SecretHash::of(n) }).0 {
+                Response::Joined { session, .. } => session,
+                r => panic!("{r:?}"),
+            };
         tenure::planner::settle(s, &mut index, &Default::default());
         session
     };

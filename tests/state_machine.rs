@@ -3,7 +3,7 @@
 
 use tenure::ids::{FencingToken, PartitionId, SessionId};
 use tenure::ownership::{
-    Command, Config, Event, Grant, LossReason, OwnershipState, Rejection, Response, Revoke,
+    Command, Config, Event, Grant, LossReason, OwnershipState, Rejection, Response, Revoke, SecretHash,
 };
 use tenure::planner::{self, Rules};
 
@@ -40,21 +40,21 @@ impl Story {
         self.state.apply(self.index, &command)
     }
 
-    fn join(&mut self, name: &str) -> (SessionId, String) {
-        let secret = format!("secret-of-{name}");
-        match self.commit(Command::Join { name: name.into(), weight: 1, secret: secret.clone() }).0 {
+    fn join(&mut self, name: &str) -> (SessionId, SecretHash) {
+        let secret = SecretHash::of(&format!("secret-of-{name}"));
+        match self.commit(Command::Join { name: name.into(), weight: 1, secret }).0 {
             Response::Joined { session, .. } => (session, secret),
             other => panic!("join failed: {other:?}"),
         }
     }
 
     /// w1 and w2 joined and balanced: w2's half released by w1 and granted to w2.
-    fn balanced_pair(partitions: u32) -> (Story, (SessionId, String), (SessionId, String)) {
+    fn balanced_pair(partitions: u32) -> (Story, (SessionId, SecretHash), (SessionId, SecretHash)) {
         let mut s = Story::new(partitions);
         let (w1, secret1) = s.join("w1");
         let w2 = s.join("w2");
         let partitions = s.revoking(w1);
-        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1.clone(), partitions });
+        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions });
         (s, (w1, secret1), w2)
     }
 
@@ -187,7 +187,7 @@ fn a_revoke_that_is_never_released_expires_and_is_granted() {
 #[test]
 fn leaving_revokes_everything_and_the_session_ends_when_all_is_released() {
     let (mut s, (w1, _), (w2, secret2)) = Story::balanced_pair(4);
-    let (r, _) = s.commit(Command::Leave { session: w2, secret: secret2.clone() });
+    let (r, _) = s.commit(Command::Leave { session: w2, secret: secret2 });
     assert_eq!(r, Response::Left);
     assert_eq!(s.revoking(w2).len(), 2);
     let (_, events) = s.commit(Command::Release {
@@ -220,33 +220,36 @@ fn rejected_commands_change_nothing() {
     let before = s.state.clone();
     let cases = vec![
         (
-            Command::Release { tokens: vec![], session: w1, secret: "wrong".into(), partitions: vec![] },
+            Command::Release {
+                tokens: vec![],
+                session: w1,
+                secret: SecretHash::of("wrong"),
+                partitions: vec![],
+            },
             Rejection::WrongSecret(w1),
         ),
         (
-            Command::Release {
-                tokens: vec![],
-                session: SessionId(99),
-                secret: secret1.clone(),
-                partitions: vec![],
-            },
+            Command::Release { tokens: vec![], session: SessionId(99), secret: secret1, partitions: vec![] },
             Rejection::UnknownSession(SessionId(99)),
         ),
         (
             Command::Release {
                 tokens: vec![],
                 session: w1,
-                secret: secret1.clone(),
+                secret: secret1,
                 partitions: vec![PartitionId(4)],
             },
             Rejection::PartitionOutOfRange { partition: 4, count: 4 },
         ),
-        (Command::Leave { session: w2, secret: secret1.clone() }, Rejection::WrongSecret(w2)),
+        (Command::Leave { session: w2, secret: secret1 }, Rejection::WrongSecret(w2)),
         (
-            Command::Join { name: String::new(), weight: 1, secret: "x".into() },
+            Command::Join { name: String::new(), weight: 1, secret: SecretHash::of("x") },
             Rejection::InvalidName("must be 1 to 256 bytes without control characters".into()),
         ),
-        (Command::Join { name: "w3".into(), weight: 0, secret: "x".into() }, Rejection::InvalidWeight(0)),
+        (
+            Command::Join { name: "w3".into(), weight: 0, secret: SecretHash::of("x") },
+            Rejection::InvalidWeight(0),
+        ),
         (
             Command::Configure { partition_count: 8, lease_ttl_ms: 1000, max_revoking: None },
             Rejection::ConfigMismatch {
@@ -262,7 +265,7 @@ fn rejected_commands_change_nothing() {
         Command::Release {
             tokens: vec![],
             session: w1,
-            secret: secret1.clone(),
+            secret: secret1,
             partitions: vec![PartitionId(mine), PartitionId(foreign)],
         },
         Rejection::NotOwner { partition: PartitionId(foreign), session: w1 },
@@ -279,7 +282,7 @@ fn rejected_commands_change_nothing() {
 #[test]
 fn commands_before_configuration_are_refused() {
     let mut state = OwnershipState::default();
-    let (r, _) = state.apply(1, &Command::Join { name: "w".into(), weight: 1, secret: "s".into() });
+    let (r, _) = state.apply(1, &Command::Join { name: "w".into(), weight: 1, secret: SecretHash::of("s") });
     assert_eq!(r, Response::Rejected(Rejection::NotConfigured));
     let (r, _) =
         state.apply(2, &Command::Configure { partition_count: 0, lease_ttl_ms: 1, max_revoking: None });
@@ -313,12 +316,12 @@ fn tokens_only_grow_over_a_long_random_history() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut s = Story::new(32);
     let mut highest = vec![0u64; 32];
-    let mut live: Vec<(SessionId, String)> = Vec::new();
+    let mut live: Vec<(SessionId, SecretHash)> = Vec::new();
     for step in 0..400 {
         match rng.random_range(0..4) {
             0 => live.push(s.join(&format!("w{}", step % 6))),
             1 if !live.is_empty() => {
-                let (sid, secret) = live[rng.random_range(0..live.len())].clone();
+                let (sid, secret) = live[rng.random_range(0..live.len())];
                 let revoking = s.revoking(sid);
                 s.commit(Command::Release { tokens: vec![], session: sid, secret, partitions: revoking });
             }
@@ -345,8 +348,12 @@ fn an_expiry_of_an_older_revoke_leaves_a_newer_revoke_of_the_same_partition_alon
     use std::collections::BTreeMap;
     use tenure::ownership::{PartitionRecord, SessionRecord};
     let s1 = SessionId(1);
-    let record =
-        |name: &str| SessionRecord { name: name.into(), weight: 1, secret: name.into(), leaving: false };
+    let record = |name: &str| SessionRecord {
+        name: name.into(),
+        weight: 1,
+        secret: SecretHash::of(name),
+        leaving: false,
+    };
     let sessions = BTreeMap::from([(s1, record("w1")), (SessionId(2), record("w2"))]);
     let partitions = vec![
         PartitionRecord { owner: Some(s1), token: FencingToken(7), revoking: true, next: None },
@@ -379,14 +386,14 @@ fn a_late_release_of_an_older_grant_leaves_the_newer_grant_alone() {
     use std::collections::BTreeMap;
     use tenure::ownership::{PartitionRecord, SessionRecord};
     let s1 = SessionId(1);
-    let record = SessionRecord { name: "w1".into(), weight: 1, secret: "s".into(), leaving: false };
+    let record = SessionRecord { name: "w1".into(), weight: 1, secret: SecretHash::of("s"), leaving: false };
     let partitions =
         vec![PartitionRecord { owner: Some(s1), token: FencingToken(24), revoking: false, next: None }];
     let config = Config { partition_count: 1, lease_ttl_ms: 1000, max_revoking: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, BTreeMap::from([(s1, record)]), 1);
     let late = Command::Release {
         session: s1,
-        secret: "s".into(),
+        secret: SecretHash::of("s"),
         partitions: vec![PartitionId(0)],
         tokens: vec![FencingToken(20)],
     };
@@ -395,14 +402,14 @@ fn a_late_release_of_an_older_grant_leaves_the_newer_grant_alone() {
     assert!(events.is_empty(), "{events:?}");
     let current = Command::Release {
         session: s1,
-        secret: "s".into(),
+        secret: SecretHash::of("s"),
         partitions: vec![PartitionId(0)],
         tokens: vec![FencingToken(24)],
     };
     assert_eq!(state.apply(26, &current).0, Response::Released { partitions: vec![PartitionId(0)] });
     let uneven = Command::Release {
         session: s1,
-        secret: "s".into(),
+        secret: SecretHash::of("s"),
         partitions: vec![],
         tokens: vec![FencingToken(1)],
     };
@@ -418,8 +425,11 @@ fn decide(s: &Story) -> Command {
 }
 
 fn join_alone(s: &mut Story, name: &str) -> SessionId {
-    let (r, _) =
-        s.commit_alone(Command::Join { name: name.into(), weight: 1, secret: format!("secret-of-{name}") });
+    let (r, _) = s.commit_alone(Command::Join {
+        name: name.into(),
+        weight: 1,
+        secret: SecretHash::of(&format!("secret-of-{name}")),
+    });
     let Response::Joined { session, .. } = r else { panic!("join failed: {r:?}") };
     session
 }
@@ -428,7 +438,8 @@ fn join_alone(s: &mut Story, name: &str) -> SessionId {
 fn a_join_decides_nothing_on_its_own_the_leader_does() {
     let mut s = Story::new(8);
     let (w1, _) = s.join("w1");
-    let (r, events) = s.commit_alone(Command::Join { name: "w2".into(), weight: 1, secret: "s2".into() });
+    let (r, events) =
+        s.commit_alone(Command::Join { name: "w2".into(), weight: 1, secret: SecretHash::of("s2") });
     let Response::Joined { session: w2, .. } = r else { panic!("{r:?}") };
     assert_eq!(
         events,
@@ -530,7 +541,7 @@ fn the_revoke_budget_moves_the_table_in_waves() {
         assert!(s.revoking(w1).len() <= 2, "at most the budget is revoking");
         waves += 1;
         let partitions = s.revoking(w1);
-        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1.clone(), partitions });
+        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions });
         s.check();
     }
     assert_eq!(waves, 2, "four partitions move, two at a time");
@@ -579,7 +590,8 @@ fn every_change_placement_reads_is_announced_by_an_event() {
     assert_eq!(revokes.len(), 2, "the leaver's partitions are revoked by the leader's next decision");
 
     let (mut s, (w1, _), _) = Story::balanced_pair(4);
-    let (_, events) = s.commit_alone(Command::Join { name: "w1".into(), weight: 1, secret: "again".into() });
+    let (_, events) =
+        s.commit_alone(Command::Join { name: "w1".into(), weight: 1, secret: SecretHash::of("again") });
     assert_eq!(events[0], Event::SessionLeaving { session: w1 }, "{events:?}");
 }
 
@@ -592,16 +604,17 @@ fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(11);
     let mut s = Story::new(16);
-    let mut sessions: Vec<(SessionId, String)> = Vec::new();
+    let mut sessions: Vec<(SessionId, SecretHash)> = Vec::new();
     let mut silent = 0;
     for step in 0..2000 {
-        let pick = |rng: &mut rand::rngs::StdRng, sessions: &[(SessionId, String)]| {
-            (!sessions.is_empty()).then(|| sessions[rng.random_range(0..sessions.len())].clone())
+        let pick = |rng: &mut rand::rngs::StdRng, sessions: &[(SessionId, SecretHash)]| {
+            (!sessions.is_empty()).then(|| sessions[rng.random_range(0..sessions.len())])
         };
         let command = match rng.random_range(0..10) {
             0 => {
                 let name = format!("w{}", rng.random_range(0..5));
-                Command::Join { name, weight: rng.random_range(1..3), secret: format!("s{step}") }
+                let secret = SecretHash::of(&format!("s{step}"));
+                Command::Join { name, weight: rng.random_range(1..3), secret }
             }
             1 => match pick(&mut rng, &sessions) {
                 Some((session, secret)) => Command::Leave { session, secret },
@@ -632,7 +645,7 @@ fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
                 Command::ExpireRevoking { partitions: revoking }
             }
             6 => match pick(&mut rng, &sessions) {
-                Some((session, _)) => Command::Leave { session, secret: "wrong".into() },
+                Some((session, _)) => Command::Leave { session, secret: SecretHash::of("wrong") },
                 None => Command::Expire { sessions: vec![SessionId(999)] },
             },
             7 => Command::Configure { partition_count: 16, lease_ttl_ms: 1000, max_revoking: None },
@@ -643,8 +656,8 @@ fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
         };
         let before = planner::plan(&s.state, &Rules::default());
         let (response, events) = s.commit_alone(command.clone());
-        if let Response::Joined { session, secret, .. } = &response {
-            sessions.push((*session, secret.clone()));
+        if let (Response::Joined { session, .. }, Command::Join { secret, .. }) = (&response, &command) {
+            sessions.push((*session, *secret));
         }
         sessions.retain(|(id, _)| s.state.session(*id).is_some());
         if events.is_empty() {

@@ -6,7 +6,7 @@ use openraft::testing::{StoreBuilder, Suite};
 use openraft::{Entry, EntryPayload, LogId, StorageError};
 use tempfile::TempDir;
 use tenure::ids::{FencingToken, PartitionId};
-use tenure::ownership::{Command, OwnershipState, Response};
+use tenure::ownership::{Command, OwnershipState, Response, SecretHash};
 use tenure::raft::TypeConfig;
 use tenure::store::{LogStore, StateMachineStore};
 
@@ -41,7 +41,7 @@ fn two_joins(partitions: u32) -> Vec<Entry<TypeConfig>> {
         Command::Configure { partition_count: partitions, lease_ttl_ms: 1000, max_revoking: None },
     );
     for name in ["w1", "w2"] {
-        let secret = format!("secret-of-{name}");
+        let secret = SecretHash::of(&format!("secret-of-{name}"));
         commit(&mut state, Command::Join { name: name.into(), weight: 1, secret });
         while let Some(place) = tenure::planner::plan(&state, &Default::default()) {
             commit(&mut state, place);

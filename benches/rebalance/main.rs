@@ -149,6 +149,7 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     if want("scale") {
         let sizes: &[(u32, usize)] =
             if quick { &[(1_000_000, 1000)] } else { &[(1_000_000, 1000), (1_000_000, 10_000)] };
+        scale::bootstrap(&mut table, 1_000_000)?;
         for &(p, workers) in sizes {
             scale::state_machine_scale(&mut table, p, workers)?;
             eprintln!("state machine at P={p} with {workers} workers measured");

@@ -16,7 +16,9 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 use tenure::ids::{FencingToken, SessionId};
-use tenure::ownership::{Command, Config, OwnershipState, PartitionRecord, Response, SessionRecord};
+use tenure::ownership::{
+    Command, Config, OwnershipState, PartitionRecord, Response, SecretHash, SessionRecord,
+};
 use tenure::placement::{place, Member};
 
 /// The system allocator, counting the bytes currently allocated, so the table's memory is
@@ -66,7 +68,7 @@ fn balanced(partitions: u32, workers: usize) -> OwnershipState {
             let record = SessionRecord {
                 name: m.name.clone(),
                 weight: 1,
-                secret: format!("secret-{}", m.session.0),
+                secret: SecretHash::of(&format!("secret-{}", m.session.0)),
                 leaving: false,
             };
             (m.session, record)
@@ -104,7 +106,7 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
     let (joined, join_ms) = timed_apply(
         &mut state,
         index,
-        Command::Join { name: "newcomer".into(), weight: 1, secret: "s".into() },
+        Command::Join { name: "newcomer".into(), weight: 1, secret: SecretHash::of("s") },
     )?;
     let Response::Joined { session: newcomer, .. } = joined else { bail!("unexpected answer to a join") };
     table.figure(format!("{label}: applying one join (it decides nothing)"), format!("{join_ms:.2} ms"));
@@ -133,7 +135,7 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
     let mut release_ms = Vec::new();
     for (session, mine) in revoked.into_iter().take(20) {
         index += 1;
-        let secret = format!("secret-{}", session.0);
+        let secret = SecretHash::of(&format!("secret-{}", session.0));
         let (_, took) = timed_apply(
             &mut state,
             index,
@@ -149,6 +151,34 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
         format!("{:.2} / {:.2} ms", ms(release_ms.pct(0.5)), ms(release_ms.pct(1.0))),
     );
 
+    // The leader decides again after every entry that changed ownership or membership; on a
+    // table with nothing to move that pass is all it costs.
+    tenure::planner::settle(&mut state, &mut index, &Default::default());
+    let t = Instant::now();
+    let nothing = tenure::planner::plan(&state, &Default::default());
+    let idle = t.elapsed();
+    if nothing.is_some() {
+        bail!("a settled table still needs a decision");
+    }
+    table.figure(
+        format!("{label}: leader deciding on a settled table (nothing to move)"),
+        format!("{:.1} ms", ms(idle)),
+    );
+
+    // A crash: the expiry takes the session's partitions, the leader grants them elsewhere.
+    let victim = *state.sessions().keys().next().context("a session")?;
+    index += 1;
+    let (_, expire_ms) = timed_apply(&mut state, index, Command::Expire { sessions: vec![victim] })?;
+    let t = Instant::now();
+    let decision = tenure::planner::plan(&state, &Default::default()).context("a crash needs a decision")?;
+    let decide_ms = ms(t.elapsed());
+    index += 1;
+    let (_, regrant_ms) = timed_apply(&mut state, index, decision)?;
+    table.figure(
+        format!("{label}: a crash: applying the expiry / leader deciding / applying the grants"),
+        format!("{expire_ms:.2} / {decide_ms:.1} / {regrant_ms:.2} ms"),
+    );
+
     // What the leader does per heartbeat: the session's rows from the owner index.
     let mut per_beat = Vec::new();
     for session in state.sessions().keys().take(2000).copied().collect::<Vec<_>>() {
@@ -161,6 +191,43 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
     table.figure(
         format!("{label}: finding a session's {} rows per heartbeat p50", partitions as usize / workers),
         format!("{:.1} us", per_beat.pct(0.5).as_secs_f64() * 1e6),
+    );
+    Ok(())
+}
+
+/// From an empty table to every partition owned: the first worker joins a cluster of
+/// `partitions`, and the leader grants the whole table in commands of at most
+/// [`tenure::planner::MAX_MOVES_PER_COMMAND`] moves. Reports how many commands that took and the
+/// slowest apply among them (the cost of the largest single move command).
+pub fn bootstrap(table: &mut Table, partitions: u32) -> Result<()> {
+    let label = format!("P={partitions}");
+    let mut state = OwnershipState::default();
+    let mut index = 1;
+    timed_apply(
+        &mut state,
+        index,
+        Command::Configure { partition_count: partitions, lease_ttl_ms: 5000, max_revoking: None },
+    )?;
+    index += 1;
+    timed_apply(
+        &mut state,
+        index,
+        Command::Join { name: "first".into(), weight: 1, secret: SecretHash::of("s") },
+    )?;
+    let mut applies = Vec::new();
+    let mut deciding = std::time::Duration::ZERO;
+    loop {
+        let t = Instant::now();
+        let Some(decision) = tenure::planner::plan(&state, &Default::default()) else { break };
+        deciding += t.elapsed();
+        index += 1;
+        let (_, took) = timed_apply(&mut state, index, decision)?;
+        applies.push(std::time::Duration::from_secs_f64(took / 1000.0));
+    }
+    let applies = Sample::new(applies);
+    table.figure(
+        format!("{label}: bootstrap, first join: grant commands / slowest apply / leader deciding in all"),
+        format!("{} / {:.1} ms / {:.0} ms", applies.0.len(), ms(applies.max()), ms(deciding)),
     );
     Ok(())
 }

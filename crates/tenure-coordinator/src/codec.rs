@@ -17,9 +17,10 @@ use serde::Serialize;
 /// The format this build writes, and the only one it reads.
 ///
 /// History: 1, the first binary format; 2, placement decided by the leader (a `Place` command,
-/// a partition row's `next` receiver, the revoke budget in the configuration). A version-1 store
-/// is refused by name rather than read as something it is not.
-pub const FORMAT: u8 = 2;
+/// a partition row's `next` receiver, the revoke budget in the configuration); 3, session
+/// secrets kept and carried only as hashes. An older store is refused by name rather than read as
+/// something it is not.
+pub const FORMAT: u8 = 3;
 
 /// Why bytes could not be read as a value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -67,7 +68,8 @@ mod tests {
 
     #[test]
     fn what_is_written_reads_back_and_anything_else_is_refused() {
-        let command = Command::Join { name: "w1".into(), weight: 2, secret: "s".into() };
+        let command =
+            Command::Join { name: "w1".into(), weight: 2, secret: crate::ownership::SecretHash::of("s") };
         let bytes = encode(&command);
         assert_eq!(bytes[0], FORMAT);
         assert_eq!(decode::<Command>(&bytes), Ok(command));

@@ -236,8 +236,9 @@ impl SimWorker {
     fn true_of(&self, local: Micros) -> Micros {
         (local as f64 / self.rate).ceil() as Micros
     }
-    fn secret(&self) -> String {
-        format!("{}-{}", self.name, self.life)
+    /// The hash of this incarnation's secret, as its commands carry it.
+    fn secret(&self) -> tenure_coordinator::ownership::SecretHash {
+        tenure_coordinator::ownership::SecretHash::of(&format!("{}-{}", self.name, self.life))
     }
 }
 

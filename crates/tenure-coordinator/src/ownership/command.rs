@@ -1,5 +1,6 @@
 //! Commands the log carries, the responses their proposers get, and the events they emit.
 
+use super::SecretHash;
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use serde::{Deserialize, Serialize};
 
@@ -9,24 +10,26 @@ use serde::{Deserialize, Serialize};
 pub enum Command {
     /// Fix the partition count, lease TTL and revoke budget; proposed once by the first leader.
     Configure { partition_count: u32, lease_ttl_ms: u64, max_revoking: Option<u32> },
-    /// A worker joins under a stable name. The leader generated `secret`.
-    Join { name: String, weight: u32, secret: String },
+    /// A worker joins under a stable name. The leader generated the secret and gave it to the
+    /// worker; the log carries only its hash.
+    Join { name: String, weight: u32, secret: SecretHash },
     /// The owner gives partitions back (after a revoke, or of its own accord). `tokens`, when
     /// not empty, names the grant given back for each partition (one per partition, in order):
     /// a partition granted to the session again since (a release that was delayed, or retried)
     /// is left alone rather than taken from the newer grant.
     Release {
         session: SessionId,
-        secret: String,
+        /// The hash of the secret the request presented (as in every command for a session).
+        secret: SecretHash,
         partitions: Vec<PartitionId>,
         #[serde(default)]
         tokens: Vec<FencingToken>,
     },
     /// The owner gives back every partition it holds (a leaving worker that has stopped work).
-    ReleaseAll { session: SessionId, secret: String },
+    ReleaseAll { session: SessionId, secret: SecretHash },
     /// The worker leaves: its partitions are revoked, and the session ends once they are released
     /// or expired.
-    Leave { session: SessionId, secret: String },
+    Leave { session: SessionId, secret: SecretHash },
     /// The leader saw these sessions' leases run out.
     Expire { sessions: Vec<SessionId> },
     /// The leader saw the leases of these revoking grants run out before their owner released:
@@ -63,9 +66,9 @@ pub enum Response {
     /// For entries that carry no command (blank and membership entries).
     Noop,
     Configured,
+    /// The secret is not here: the proposer generated it and keeps it until it answers.
     Joined {
         session: SessionId,
-        secret: String,
         superseded: Option<SessionId>,
     },
     Released {

@@ -1,6 +1,7 @@
 //! The ownership table and the pure `apply` that changes it.
 
 use super::command::{Command, Event, Grant, LossReason, Rejection, Response, Revoke};
+use super::secret::SecretHash;
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::KeySpace;
 use serde::{Deserialize, Serialize};
@@ -38,7 +39,8 @@ pub struct PartitionRecord {
 pub struct SessionRecord {
     pub name: String,
     pub weight: u32,
-    pub secret: String,
+    /// The hash of the secret the leader gave the session; the secret itself is kept nowhere.
+    pub secret: SecretHash,
     /// Leaving (or superseded by a newer session of the same name): owns only revoking partitions
     /// and ends when it owns none.
     pub leaving: bool,
@@ -124,8 +126,17 @@ impl OwnershipState {
 
     /// Checks a session's secret against the table; used by the server for heartbeats.
     pub fn authenticate(&self, session: SessionId, secret: &str) -> Result<&SessionRecord, Rejection> {
+        self.authenticate_hash(session, &SecretHash::of(secret))
+    }
+
+    /// [`OwnershipState::authenticate`] with the secret already hashed (as commands carry it).
+    pub fn authenticate_hash(
+        &self,
+        session: SessionId,
+        secret: &SecretHash,
+    ) -> Result<&SessionRecord, Rejection> {
         let record = self.sessions.get(&session).ok_or(Rejection::UnknownSession(session))?;
-        if !constant_time_eq(record.secret.as_bytes(), secret.as_bytes()) {
+        if !record.secret.matches(secret) {
             return Err(Rejection::WrongSecret(session));
         }
         Ok(record)
@@ -191,13 +202,13 @@ impl OwnershipState {
                 self.release(index, *session, secret, partitions, tokens, events)
             }
             Command::ReleaseAll { session, secret } => {
-                self.authenticate(*session, secret)?;
+                self.authenticate_hash(*session, secret)?;
                 self.require_config()?;
                 let mine: Vec<PartitionId> = self.owned_by(*session).into_iter().map(|(p, _)| p).collect();
                 self.release(index, *session, secret, &mine, &[], events)
             }
             Command::Leave { session, secret } => {
-                self.authenticate(*session, secret)?;
+                self.authenticate_hash(*session, secret)?;
                 self.require_config()?;
                 self.mark_leaving(*session, events);
                 self.end_if_idle(*session, events);
@@ -367,7 +378,7 @@ impl OwnershipState {
         &mut self,
         name: &str,
         weight: u32,
-        secret: &str,
+        secret: &SecretHash,
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
         self.require_config()?;
@@ -385,22 +396,22 @@ impl OwnershipState {
         self.changes.meta = true;
         self.put_session(
             session,
-            SessionRecord { name: name.to_string(), weight, secret: secret.to_string(), leaving: false },
+            SessionRecord { name: name.to_string(), weight, secret: *secret, leaving: false },
         );
         events.push(Event::SessionStarted { session, name: name.to_string() });
-        Ok(Response::Joined { session, secret: secret.to_string(), superseded })
+        Ok(Response::Joined { session, superseded })
     }
 
     fn release(
         &mut self,
         index: u64,
         session: SessionId,
-        secret: &str,
+        secret: &SecretHash,
         partitions: &[PartitionId],
         tokens: &[FencingToken],
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
-        self.authenticate(session, secret)?;
+        self.authenticate_hash(session, secret)?;
         let config = self.require_config()?;
         // Validate everything before changing anything.
         for &p in partitions {
@@ -507,11 +518,4 @@ pub fn check_join(name: &str, weight: u32) -> Result<(), Rejection> {
         return Err(Rejection::InvalidWeight(weight));
     }
     Ok(())
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
-    }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }

@@ -3,7 +3,7 @@
 
 use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::{FencingToken, PartitionId, SessionId};
-use crate::ownership::{check_join, Command, Event, Rejection, Response as SmResponse};
+use crate::ownership::{check_join, Command, Event, Rejection, Response as SmResponse, SecretHash};
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
 use rand::RngCore;
 use std::pin::Pin;
@@ -173,9 +173,11 @@ async fn renew(node: &Node, req: proto::HeartbeatRequest, received: Instant) -> 
     check_secret(&req.secret)?;
     node.ensure_leader()?;
     let session = SessionId(req.session_id);
+    // Hashed once, before any lock: the batch checks it again under the state's read lock.
+    let secret = SecretHash::of(&req.secret);
     {
         let applied = node.state.read().expect("state lock poisoned");
-        applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
+        applied.state.authenticate_hash(session, &secret).map_err(CoordinatorError::from)?;
     }
     // A lease that already ran out is refused here, without spending a quorum round on it.
     if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
@@ -184,7 +186,7 @@ async fn renew(node: &Node, req: proto::HeartbeatRequest, received: Instant) -> 
         }
     }
     let (reply, answer) = oneshot::channel();
-    let pending = PendingRenewal { session, secret: req.secret, received, reply };
+    let pending = PendingRenewal { session, secret, received, reply };
     node.renewals
         .send(pending)
         .await
@@ -237,9 +239,12 @@ impl Coordinator for CoordinatorService {
         self.node.ensure_leader()?;
         let weight = if req.weight == 0 { 1 } else { req.weight };
         check_join(&req.name, weight).map_err(CoordinatorError::Rejected)?;
-        let command = Command::Join { name: req.name, weight, secret: new_secret() };
+        // The secret goes to the worker in this answer and nowhere else; the log, every
+        // replica's table and every snapshot keep only its hash.
+        let secret = new_secret();
+        let command = Command::Join { name: req.name, weight, secret: SecretHash::of(&secret) };
         match self.node.propose(command).await? {
-            SmResponse::Joined { session, secret, .. } => {
+            SmResponse::Joined { session, .. } => {
                 let applied = self.node.state.read().expect("state lock poisoned");
                 let config = applied.state.config();
                 Ok(Response::new(proto::JoinResponse {
@@ -346,11 +351,11 @@ impl Coordinator for CoordinatorService {
             if !req.partitions.is_empty() {
                 return Err(CoordinatorError::InvalidArgument("`all` with a partition list".into()).into());
             }
-            Command::ReleaseAll { session: SessionId(req.session_id), secret: req.secret }
+            Command::ReleaseAll { session: SessionId(req.session_id), secret: SecretHash::of(&req.secret) }
         } else {
             Command::Release {
                 session: SessionId(req.session_id),
-                secret: req.secret,
+                secret: SecretHash::of(&req.secret),
                 partitions: req.partitions.into_iter().map(PartitionId).collect(),
                 tokens: req.tokens.into_iter().map(FencingToken).collect(),
             }
@@ -377,7 +382,9 @@ impl Coordinator for CoordinatorService {
                 .authenticate(SessionId(req.session_id), &req.secret)
                 .map_err(CoordinatorError::from)?;
         }
-        self.node.propose(Command::Leave { session: SessionId(req.session_id), secret: req.secret }).await?;
+        let leave =
+            Command::Leave { session: SessionId(req.session_id), secret: SecretHash::of(&req.secret) };
+        self.node.propose(leave).await?;
         Ok(Response::new(proto::LeaveResponse {}))
     }
 

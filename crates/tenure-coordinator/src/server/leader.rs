@@ -311,7 +311,7 @@ pub(crate) async fn run_renewals(
         let mut answers = Vec::with_capacity(batch.len());
         let mut wanted: HashMap<crate::ids::SessionId, Vec<(u32, u64)>> = HashMap::new();
         for r in batch {
-            let answer = match applied.state.authenticate(r.session, &r.secret) {
+            let answer = match applied.state.authenticate_hash(r.session, &r.secret) {
                 Err(rejection) => Err(CoordinatorError::Rejected(rejection)),
                 Ok(_) => match leases.as_mut() {
                     // No table, or one of an earlier term than the one just confirmed.

@@ -156,7 +156,7 @@ pub enum NodeError {
 /// A renewal waiting for the next leadership confirmation round.
 pub(crate) struct PendingRenewal {
     pub session: crate::ids::SessionId,
-    pub secret: String,
+    pub secret: crate::ownership::SecretHash,
     pub received: tokio::time::Instant,
     pub reply: tokio::sync::oneshot::Sender<Result<Vec<(u32, u64)>, CoordinatorError>>,
 }
