@@ -14,6 +14,7 @@ mod heartbeats;
 mod moves;
 mod report;
 mod scale;
+mod storm;
 mod versus_etcd;
 
 #[global_allocator]
@@ -146,6 +147,11 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
         renewal_cpu(&mut table, 1000, Duration::from_secs(if quick { 5 } else { 10 }), etcd.as_ref()).await?;
         eprintln!("leader CPU per renewal measured");
     }
+    if want("storm") {
+        let (p, sessions) = if quick { (65536, 1000) } else { (65536, 10_000) };
+        storm::join_storm(&mut table, p, sessions).await?;
+        eprintln!("join storm of {sessions} sessions at P={p} measured");
+    }
     if want("scale") {
         let sizes: &[(u32, usize)] =
             if quick { &[(1_000_000, 1000)] } else { &[(1_000_000, 1000), (1_000_000, 10_000)] };
@@ -165,7 +171,7 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let quick = args.iter().any(|a| a == "--quick") || std::env::var_os("TENURE_BENCH_QUICK").is_some();
-    // `--only <section>`: planned, join-leave, crash, leader, heartbeats, renewal-cpu, scale.
+    // `--only <section>`: planned, join-leave, crash, leader, heartbeats, renewal-cpu, storm, scale.
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let (table, svg) = runtime.block_on(run(quick, only.as_deref()))?;
