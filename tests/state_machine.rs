@@ -87,7 +87,10 @@ impl Story {
                 assert!(r.token.0 > 0 && r.token.0 <= self.index);
             }
         }
-        // The owner index answers exactly what a scan of the table does.
+        // The derived counts and the owner index answer exactly what a scan of the table does.
+        let rows = self.state.partitions();
+        assert_eq!(self.state.unowned_count(), rows.iter().filter(|r| r.owner.is_none()).count());
+        assert_eq!(self.state.revoking_count(), rows.iter().filter(|r| r.revoking).count());
         for session in self.state.sessions().keys() {
             let scanned: Vec<u32> = (0..self.state.partitions().len() as u32)
                 .filter(|p| self.state.partition(PartitionId(*p)).unwrap().owner == Some(*session))
@@ -671,4 +674,27 @@ fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
         s.check();
     }
     assert!(silent > 100, "the history had too few silent entries to say anything ({silent})");
+}
+
+#[test]
+fn a_decision_larger_than_one_command_is_split_into_commands_that_apply_in_order() {
+    let max = planner::MAX_MOVES_PER_COMMAND;
+    let partitions = 3 * max as u32 + 5;
+    let mut s = Story::new(partitions);
+    join_alone(&mut s, "w1");
+    let commands = planner::plan_all(&s.state, &Rules::default());
+    assert_eq!(commands.len(), 4);
+    let mut named = std::collections::BTreeSet::new();
+    for command in &commands {
+        let Command::Place { grants, revokes } = command else { panic!("not a placement") };
+        assert!(grants.len() + revokes.len() <= max);
+        assert!(grants.iter().all(|g| named.insert(g.partition)), "a partition in two commands");
+    }
+    for command in commands {
+        let (r, _) = s.commit_alone(command);
+        assert!(matches!(r, Response::Placed { .. }), "{r:?}");
+    }
+    assert_eq!(s.state.unowned_count(), 0);
+    assert!(planner::plan_all(&s.state, &Rules::default()).is_empty(), "settled after the last command");
+    s.check();
 }

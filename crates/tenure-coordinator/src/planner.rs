@@ -13,16 +13,22 @@
 //! - At most the cluster's revoke budget ([`crate::ownership::Config::max_revoking`], replicated
 //!   state) of partitions are revoking at once, counting those already revoking; unowned
 //!   partitions are always granted, since nobody works on them.
-//! - One command carries at most [`MAX_MOVES_PER_COMMAND`] moves; a larger plan is proposed in
-//!   several commands, each decided on the table the previous one left.
+//! - One command carries at most [`MAX_MOVES_PER_COMMAND`] moves, which bounds what one apply
+//!   costs; a larger decision is split into several commands over disjoint partitions, proposed
+//!   in order. If one is refused (the table changed under it), the rest are dropped and the
+//!   leader decides again.
+//! - A settled table is recognised without a pass over it (the table keeps counts of unowned and
+//!   revoking partitions, and what each session owns), so deciding "nothing to do" costs the
+//!   number of members, not of partitions.
 
 use crate::ids::SessionId;
 use crate::ownership::{Command, Grant, OwnershipState, Revoke};
 use crate::placement::{self, Member};
 
 /// Most grants and revokes in one [`Command::Place`], which bounds an entry's size (about 20
-/// bytes a move) and the time one apply holds the table.
-pub const MAX_MOVES_PER_COMMAND: usize = 65_536;
+/// bytes a move) and the time one apply holds the table: a few milliseconds at this size (the
+/// `scale` bench reports the slowest apply while granting a million partitions).
+pub const MAX_MOVES_PER_COMMAND: usize = 8_192;
 
 /// The leader's own placement settings: what may differ between nodes and versions.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,17 +41,23 @@ pub struct Rules {
 
 /// The next placement decision to propose, or `None` when the table is where placement wants
 /// it (or nothing can move: no configuration, no eligible member, the revoke budget spent).
-/// Costs one pass over the table and a placement run.
 pub fn plan(state: &OwnershipState, rules: &Rules) -> Option<Command> {
-    let config = state.config()?;
+    plan_all(state, rules).into_iter().next()
+}
+
+/// The whole decision, split into commands of at most [`MAX_MOVES_PER_COMMAND`] moves over
+/// disjoint partitions, to be proposed in order; empty when there is nothing to do. Costs
+/// one pass over the table and a placement run, unless the table is settled.
+pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
+    let Some(config) = state.config() else { return Vec::new() };
     let members: Vec<Member> = state
         .sessions()
         .iter()
         .filter(|(_, r)| !r.leaving)
         .map(|(s, r)| Member { session: *s, name: r.name.clone(), weight: r.weight })
         .collect();
-    if members.is_empty() {
-        return None;
+    if members.is_empty() || settled(state, &members, config.partition_count) {
+        return Vec::new();
     }
     // A revoking partition already has its receiver: placement counts it there, so a second
     // decision made while the first is in motion builds on it instead of moving other
@@ -53,15 +65,12 @@ pub fn plan(state: &OwnershipState, rules: &Rules) -> Option<Command> {
     let current: Vec<Option<SessionId>> =
         state.partitions().iter().map(|r| if r.revoking { r.next.or(r.owner) } else { r.owner }).collect();
     let target = placement::place_with_seed(&members, &current, rules.ring_seed);
-    let revoking = state.partitions().iter().filter(|r| r.revoking).count();
     let mut may_revoke =
-        config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(revoking));
+        config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(state.revoking_count()));
+    let mut commands = Vec::new();
     let mut grants = Vec::new();
     let mut revokes = Vec::new();
     for (p, (record, want)) in state.partitions().iter().zip(target).enumerate() {
-        if grants.len() + revokes.len() >= MAX_MOVES_PER_COMMAND {
-            break;
-        }
         let partition = crate::ids::PartitionId(p as u32);
         match (record.owner, want) {
             (None, Some(session)) => grants.push(Grant { partition, session }),
@@ -69,10 +78,34 @@ pub fn plan(state: &OwnershipState, rules: &Rules) -> Option<Command> {
                 may_revoke -= 1;
                 revokes.push(Revoke { partition, session: owner, token: record.token, next });
             }
-            _ => {}
+            _ => continue,
+        }
+        if grants.len() + revokes.len() == MAX_MOVES_PER_COMMAND {
+            commands.push(Command::Place {
+                grants: std::mem::take(&mut grants),
+                revokes: std::mem::take(&mut revokes),
+            });
         }
     }
-    (!grants.is_empty() || !revokes.is_empty()).then_some(Command::Place { grants, revokes })
+    if !grants.is_empty() || !revokes.is_empty() {
+        commands.push(Command::Place { grants, revokes });
+    }
+    commands
+}
+
+/// Whether placement would leave the table as it is, told from counts alone: every partition
+/// owned by a member, none revoking, and no member above its quota. This is the condition under
+/// which [`placement::place_with_seed`] returns the current assignment unchanged.
+fn settled(state: &OwnershipState, members: &[Member], partitions: u32) -> bool {
+    if state.unowned_count() > 0 || state.revoking_count() > 0 {
+        return false;
+    }
+    let held: Vec<u32> = members.iter().map(|m| state.owned_count(m.session) as u32).collect();
+    if held.iter().map(|h| u64::from(*h)).sum::<u64>() != u64::from(partitions) {
+        return false; // a leaving session still owns some
+    }
+    let quota = placement::quotas(members, &held, partitions);
+    held.iter().zip(&quota).all(|(h, q)| h <= q)
 }
 
 /// Applies plans until there is nothing left to decide, as a leader would with nothing else

@@ -68,6 +68,12 @@ pub struct OwnershipState {
     /// heartbeat costs what the session owns rather than the size of the table.
     #[serde(skip)]
     owned: BTreeMap<SessionId, BTreeSet<u32>>,
+    /// How many partitions have no owner, and how many are revoking; derived like `owned`, so
+    /// the leader can tell a settled table without a pass over it.
+    #[serde(skip)]
+    unowned: usize,
+    #[serde(skip)]
+    revoking: usize,
 }
 
 /// What a snapshot carries; the derived index is rebuilt from it.
@@ -99,7 +105,18 @@ impl OwnershipState {
                 owned.entry(owner).or_default().insert(p as u32);
             }
         }
-        OwnershipState { config, partitions, sessions, next_session, changes: Changes::default(), owned }
+        let unowned = partitions.iter().filter(|r| r.owner.is_none()).count();
+        let revoking = partitions.iter().filter(|r| r.revoking).count();
+        OwnershipState {
+            config,
+            partitions,
+            sessions,
+            next_session,
+            changes: Changes::default(),
+            owned,
+            unowned,
+            revoking,
+        }
     }
 
     pub fn config(&self) -> Option<Config> {
@@ -155,6 +172,16 @@ impl OwnershipState {
     /// How many partitions a session owns (revoking ones included).
     pub fn owned_count(&self, session: SessionId) -> usize {
         self.owned.get(&session).map_or(0, BTreeSet::len)
+    }
+
+    /// Partitions without an owner.
+    pub fn unowned_count(&self) -> usize {
+        self.unowned
+    }
+
+    /// Partitions being revoked.
+    pub fn revoking_count(&self) -> usize {
+        self.revoking
     }
 
     /// Takes the set of keys changed since the last call.
@@ -369,6 +396,8 @@ impl OwnershipState {
         self.config = Some(want);
         self.partitions = vec![PartitionRecord::default(); want.partition_count as usize];
         self.owned.clear();
+        self.unowned = self.partitions.len();
+        self.revoking = 0;
         self.changes.meta = true;
         events.push(Event::Configured { config: want });
         Ok(Response::Configured)
@@ -486,6 +515,8 @@ impl OwnershipState {
     /// Every change to a partition row goes through here, which keeps the owner index true.
     fn set_partition(&mut self, p: PartitionId, record: PartitionRecord) {
         let old = std::mem::replace(&mut self.partitions[p.0 as usize], record);
+        self.unowned = self.unowned + usize::from(record.owner.is_none()) - usize::from(old.owner.is_none());
+        self.revoking = self.revoking + usize::from(record.revoking) - usize::from(old.revoking);
         if old.owner != record.owner {
             if let Some(owner) = old.owner {
                 let emptied = self.owned.get_mut(&owner).is_some_and(|set| {

@@ -124,23 +124,33 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
 }
 
 /// The next placement decision and the future that proposes it, if the table needs one.
-/// Decided on the applied table under the read lock; proposed without it.
+/// Decided on the applied table under the read lock; proposed without it, one command after
+/// another, stopping at the first that is not applied (the table changed: decide again).
 fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 'static> {
-    let command = {
+    let commands = {
         let applied = node.state.read().expect("state lock poisoned");
-        crate::planner::plan(&applied.state, &node.config.placement)?
+        crate::planner::plan_all(&applied.state, &node.config.placement)
     };
+    if commands.is_empty() {
+        return None;
+    }
     let node = node.clone();
     Some(async move {
-        if let Command::Place { grants, revokes } = &command {
-            tracing::debug!(grants = grants.len(), revokes = revokes.len(), "proposing placement");
-        }
-        match node.propose(command).await {
-            Ok(_) => {}
-            Err(CoordinatorError::Rejected(r)) => {
-                tracing::debug!(reason = %r, "placement refused; deciding again")
+        for command in commands {
+            if let Command::Place { grants, revokes } = &command {
+                tracing::debug!(grants = grants.len(), revokes = revokes.len(), "proposing placement");
             }
-            Err(e) => tracing::warn!(error = %e, "could not propose placement"),
+            match node.propose(command).await {
+                Ok(_) => {}
+                Err(CoordinatorError::Rejected(r)) => {
+                    tracing::debug!(reason = %r, "placement refused; deciding again");
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not propose placement");
+                    return;
+                }
+            }
         }
     })
 }
