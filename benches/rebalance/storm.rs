@@ -2,15 +2,18 @@
 //!
 //! Each session is a client of the public API that behaves as the worker library does: it
 //! heartbeats every quarter TTL, follows its ownership stream and gives back what is revoked at
-//! once. The sessions share one client (a few HTTP/2 connections), as sessions sharing a few
-//! processes would; a `Worker` each would need three connections per session, more descriptors
-//! than one process may open at 10,000. Measured: until every session has joined; until the
+//! once, and opens its stream again when it breaks. Sessions share clients, 500 to a client (a
+//! connection to each node), as sessions sharing a few processes would; a `Worker` each would
+//! need three connections per session, more descriptors than one process may open at 10,000. Measured: until every session has joined; until the
 //! table is owned, balanced within one and nothing is revoking; until every session's heartbeat
 //! answer lists exactly what the table gives it (every lease confirmed).
 
 use super::*;
 use futures::FutureExt;
 use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Sessions that share one client (one connection to each node), as in one process.
+const SESSIONS_PER_CLIENT: usize = 500;
 
 /// What each session's latest heartbeat answer renewed: partition -> token.
 type Renewed = Arc<Mutex<HashMap<u64, BTreeMap<u32, u64>>>>;
@@ -20,7 +23,9 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
     let dir = tempfile::tempdir()?;
     let ttl = Duration::from_secs(5);
     let cluster = cluster(dir.path(), partitions, ttl).await?;
-    let client = Client::new(cluster.addrs())?;
+    let clients: Vec<Client> = (0..sessions.div_ceil(SESSIONS_PER_CLIENT))
+        .map(|_| Client::new(cluster.addrs()))
+        .collect::<Result<_, _>>()?;
     let renewed: Renewed = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let tasks: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
@@ -28,8 +33,8 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
 
     let joined: Vec<proto::HeartbeatRequest> = futures::stream::iter(0..sessions)
         .map(|n| {
-            let (client, renewed, stop, tasks) =
-                (client.clone(), renewed.clone(), stop.clone(), tasks.clone());
+            let client = clients[n / SESSIONS_PER_CLIENT].clone();
+            let (renewed, stop, tasks) = (renewed.clone(), stop.clone(), tasks.clone());
             async move {
                 let name = format!("storm-{n}");
                 let r = client
@@ -108,46 +113,50 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
 }
 
 /// Follows a session's ownership stream and releases each batch of revokes at once (one call
-/// for what has arrived together), as the worker library does.
+/// for what has arrived together), as the worker library does; a stream that breaks is opened
+/// again (its snapshot repeats what the session holds, revoking ones included).
 async fn watch_and_release(client: Client, beat: proto::HeartbeatRequest, stop: Arc<AtomicBool>) {
     let request = proto::WatchRequest { session_id: beat.session_id, secret: beat.secret.clone() };
-    let Ok(mut stream) = client
-        .call(|mut c| {
-            let request = request.clone();
-            async move { c.watch(request).await }
-        })
-        .await
-    else {
-        return;
-    };
     while !stop.load(Ordering::Relaxed) {
-        let Ok(Some(first)) = stream.message().await else { return };
-        let mut batch = vec![first];
-        // What the stream already holds goes in the same release.
-        while let Some(Ok(Some(more))) = stream.message().now_or_never() {
-            batch.push(more);
-        }
-        let revoked: Vec<(u32, u64)> = batch
-            .iter()
-            .filter(|e| e.kind == proto::ownership_event::Kind::Revoking as i32)
-            .map(|e| (e.partition, e.token))
-            .collect();
-        if revoked.is_empty() {
-            continue;
-        }
-        let release = proto::ReleaseRequest {
-            session_id: beat.session_id,
-            secret: beat.secret.clone(),
-            partitions: revoked.iter().map(|r| r.0).collect(),
-            tokens: revoked.iter().map(|r| r.1).collect(),
-            all: false,
-        };
-        let _ = client
+        let opened = client
             .call(|mut c| {
-                let release = release.clone();
-                async move { c.release(release).await }
+                let request = request.clone();
+                async move { c.watch(request).await }
             })
             .await;
+        let Ok(mut stream) = opened else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(Some(first)) = stream.message().await else { break };
+            let mut batch = vec![first];
+            // What the stream already holds goes in the same release.
+            while let Some(Ok(Some(more))) = stream.message().now_or_never() {
+                batch.push(more);
+            }
+            let revoked: Vec<(u32, u64)> = batch
+                .iter()
+                .filter(|e| e.kind == proto::ownership_event::Kind::Revoking as i32)
+                .map(|e| (e.partition, e.token))
+                .collect();
+            if revoked.is_empty() {
+                continue;
+            }
+            let release = proto::ReleaseRequest {
+                session_id: beat.session_id,
+                secret: beat.secret.clone(),
+                partitions: revoked.iter().map(|r| r.0).collect(),
+                tokens: revoked.iter().map(|r| r.1).collect(),
+                all: false,
+            };
+            let _ = client
+                .call(|mut c| {
+                    let release = release.clone();
+                    async move { c.release(release).await }
+                })
+                .await;
+        }
     }
 }
 
