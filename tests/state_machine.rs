@@ -698,25 +698,3 @@ fn a_decision_larger_than_one_command_is_split_into_commands_that_apply_in_order
     assert!(planner::plan_all(&s.state, &Rules::default()).is_empty(), "settled after the last command");
     s.check();
 }
-
-#[test]
-fn a_decision_limited_to_grants_moves_nothing_that_is_owned() {
-    // What the leader decides while joins are still arriving: the free partitions go to the
-    // newcomers, nothing owned is revoked yet.
-    let (mut s, (w1, secret1), (w2, _)) = Story::balanced_pair(8);
-    let mine = s.owned(w1);
-    s.commit_alone(Command::Release {
-        tokens: vec![],
-        session: w1,
-        secret: secret1,
-        partitions: vec![PartitionId(mine[0])],
-    });
-    let w3 = join_alone(&mut s, "w3");
-    let held = planner::plan_moves(&s.state, &Rules::default(), planner::Moves::GrantsOnly);
-    let [Command::Place { grants, revokes }] = held.as_slice() else { panic!("{held:?}") };
-    assert!(revokes.is_empty(), "{revokes:?}");
-    assert_eq!(grants, &vec![Grant { partition: PartitionId(mine[0]), session: w3 }]);
-    let full = planner::plan_all(&s.state, &Rules::default());
-    let [Command::Place { revokes, .. }] = full.as_slice() else { panic!("{full:?}") };
-    assert!(!revokes.is_empty() && revokes.iter().all(|r| r.next == w3 && [w1, w2].contains(&r.session)));
-}

@@ -45,23 +45,10 @@ pub fn plan(state: &OwnershipState, rules: &Rules) -> Option<Command> {
     plan_all(state, rules).into_iter().next()
 }
 
-/// What a decision may contain: everything, or only grants of unowned partitions (while the
-/// leader holds revokes back during a join storm, so partitions do not move once per joiner).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Moves {
-    All,
-    GrantsOnly,
-}
-
 /// The whole decision, split into commands of at most [`MAX_MOVES_PER_COMMAND`] moves over
 /// disjoint partitions, to be proposed in order; empty when there is nothing to do. Costs
 /// one pass over the table and a placement run, unless the table is settled.
 pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
-    plan_moves(state, rules, Moves::All)
-}
-
-/// [`plan_all`], limited to `moves`.
-pub fn plan_moves(state: &OwnershipState, rules: &Rules, moves: Moves) -> Vec<Command> {
     let Some(config) = state.config() else { return Vec::new() };
     let members: Vec<Member> = state
         .sessions()
@@ -78,12 +65,8 @@ pub fn plan_moves(state: &OwnershipState, rules: &Rules, moves: Moves) -> Vec<Co
     let current: Vec<Option<SessionId>> =
         state.partitions().iter().map(|r| if r.revoking { r.next.or(r.owner) } else { r.owner }).collect();
     let target = placement::place_with_seed(&members, &current, rules.ring_seed);
-    let mut may_revoke = match moves {
-        Moves::All => config
-            .max_revoking
-            .map_or(usize::MAX, |max| (max as usize).saturating_sub(state.revoking_count())),
-        Moves::GrantsOnly => 0,
-    };
+    let mut may_revoke =
+        config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(state.revoking_count()));
     let mut commands = Vec::new();
     let mut grants = Vec::new();
     let mut revokes = Vec::new();

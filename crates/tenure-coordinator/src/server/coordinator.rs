@@ -29,23 +29,6 @@ fn check_secret(secret: &str) -> Result<(), CoordinatorError> {
     Ok(())
 }
 
-/// Counts a join from its proposal to its answer (however the call ends, the guard's drop
-/// takes it off again).
-struct JoinInFlight<'a>(&'a Node);
-
-impl<'a> JoinInFlight<'a> {
-    fn count(node: &'a Node) -> JoinInFlight<'a> {
-        node.joins_in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        JoinInFlight(node)
-    }
-}
-
-impl Drop for JoinInFlight<'_> {
-    fn drop(&mut self) {
-        self.0.joins_in_flight.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 fn new_secret() -> String {
     let mut bytes = [0u8; 16];
     rand::rng().fill_bytes(&mut bytes);
@@ -260,11 +243,7 @@ impl Coordinator for CoordinatorService {
         // replica's table and every snapshot keep only its hash.
         let secret = new_secret();
         let command = Command::Join { name: req.name, weight, secret: SecretHash::of(&secret) };
-        let proposed = {
-            let _in_flight = JoinInFlight::count(&self.node);
-            self.node.propose(command).await?
-        };
-        match proposed {
+        match self.node.propose(command).await? {
             SmResponse::Joined { session, .. } => {
                 let applied = self.node.state.read().expect("state lock poisoned");
                 let config = applied.state.config();

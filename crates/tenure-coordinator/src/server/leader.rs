@@ -10,23 +10,12 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 /// Most renewals answered by one quorum round.
 const MAX_RENEWAL_BATCH: usize = 16384;
-
-/// While joins are on their way to the log (a fleet starting up), the leader grants unowned
-/// partitions but holds revokes back, for at most this long at a time: otherwise each join moves
-/// partitions again that the previous join's decision just moved, and a storm of N joins moves a
-/// table about ln(N) times over. A lone join has nothing in flight once it is applied, so it is
-/// decided at once; the hold costs only a storm, and at most this much before a full decision.
-pub(crate) const JOIN_HOLD: Duration = Duration::from_secs(2);
-
-/// How often a held decision looks again whether the joins have landed.
-const JOIN_RECHECK: Duration = Duration::from_millis(50);
 
 /// The lease table of one term of this node's leadership. Renewals and expiries act on it only
 /// while the node still leads in that term: a table left over from an earlier term (the node
@@ -59,25 +48,10 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     // decision was made. One at a time: the next is made on the table the previous one left.
     let mut placing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
     let mut replan = false;
-    // Since when revokes are held back for joins in flight, and when to look again.
-    let mut holding_since: Option<Instant> = None;
-    let mut recheck: Option<Instant> = None;
     loop {
         if replan && placing.is_none() && leading_term.is_some() {
             replan = false;
-            let now = Instant::now();
-            let joining = node.joins_in_flight.load(std::sync::atomic::Ordering::Relaxed) > 0;
-            let moves = if joining && holding_since.is_none_or(|since| now < since + JOIN_HOLD) {
-                holding_since.get_or_insert(now);
-                recheck = Some(now + JOIN_RECHECK);
-                crate::planner::Moves::GrantsOnly
-            } else {
-                holding_since = None;
-                recheck = None;
-                crate::planner::Moves::All
-            };
-            placing =
-                next_placement(&node, moves).map(|f| Box::pin(f) as Pin<Box<dyn Future<Output = ()> + Send>>);
+            placing = next_placement(&node).map(|f| Box::pin(f) as Pin<Box<dyn Future<Output = ()> + Send>>);
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -92,7 +66,6 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     (true, _) => {
                         proposing = None;
                         placing = None;
-                        holding_since = None;
                         replan = true;
                         leading_term = Some(m.current_term);
                         become_leader(&node, m.current_term);
@@ -126,10 +99,6 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
             _ = async { proposing.as_mut().expect("guarded").await }, if proposing.is_some() => {
                 proposing = None;
             }
-            _ = async { tokio::time::sleep_until(recheck.expect("guarded")).await }, if recheck.is_some() => {
-                recheck = None;
-                replan = true;
-            }
             _ = async { placing.as_mut().expect("guarded").await }, if placing.is_some() => {
                 // Whatever came of it (applied, refused as stale, not committed), decide again
                 // on the table as it is now.
@@ -157,13 +126,10 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
 /// The next placement decision and the future that proposes it, if the table needs one.
 /// Decided on the applied table under the read lock; proposed without it, one command after
 /// another, stopping at the first that is not applied (the table changed: decide again).
-fn next_placement(
-    node: &Arc<Node>,
-    moves: crate::planner::Moves,
-) -> Option<impl Future<Output = ()> + Send + 'static> {
+fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 'static> {
     let commands = {
         let applied = node.state.read().expect("state lock poisoned");
-        crate::planner::plan_moves(&applied.state, &node.config.placement, moves)
+        crate::planner::plan_all(&applied.state, &node.config.placement)
     };
     if commands.is_empty() {
         return None;

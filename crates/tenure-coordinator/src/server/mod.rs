@@ -179,9 +179,6 @@ pub struct Node {
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
     /// One permit per open heartbeat stream.
     pub(crate) heartbeat_streams: Arc<tokio::sync::Semaphore>,
-    /// Joins proposed and not yet answered: while any are on their way, the leader holds back
-    /// revokes (see `leader::JOIN_HOLD`).
-    pub(crate) joins_in_flight: std::sync::atomic::AtomicUsize,
 }
 
 impl Node {
@@ -387,7 +384,6 @@ where
         stopping: cancel.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
-        joins_in_flight: std::sync::atomic::AtomicUsize::new(0),
         server_metrics: raft.server_metrics(),
     });
     let mut tasks = Vec::new();
