@@ -148,7 +148,9 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
         eprintln!("leader CPU per renewal measured");
     }
     if want("storm") {
-        let (p, sessions) = if quick { (65536, 1000) } else { (65536, 10_000) };
+        // `TENURE_BENCH_STORM_SESSIONS` sizes the storm for a profile between the two sizes.
+        let sized = std::env::var("TENURE_BENCH_STORM_SESSIONS").ok().and_then(|s| s.parse().ok());
+        let (p, sessions) = (65536, sized.unwrap_or(if quick { 1000 } else { 10_000 }));
         storm::join_storm(&mut table, p, sessions).await?;
         eprintln!("join storm of {sessions} sessions at P={p} measured");
     }
