@@ -241,13 +241,9 @@ async fn dropping_a_worker_ends_belief_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_leave_without_a_release_still_revokes_everything() {
     use tenure::proto;
-    use tenure::proto::coordinator_client::CoordinatorClient;
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let leader = c.leader().expect("a leader");
-    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
-    let joined =
-        client.join(proto::JoinRequest { name: "raw".into(), weight: 1 }).await.unwrap().into_inner();
+    let (mut client, joined) = raw_join(&c, "raw").await;
     let session = SessionId(joined.session_id);
     // Heartbeats keep the session alive for the whole test, so nothing but the leave can take
     // its partitions away before the check.

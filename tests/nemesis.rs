@@ -35,6 +35,17 @@ fn print_outcome(config: &NemesisConfig, outcome: &nemesis::Outcome) {
     println!("{}", outcome.report);
 }
 
+/// Runs `config` and requires what every run here must show: every invariant held, none
+/// skipped, and enough done for the verdicts to mean something.
+async fn run_keeping_every_invariant(config: &NemesisConfig, dir: &std::path::Path) -> nemesis::Outcome {
+    let outcome = nemesis::run(config, dir).await.expect("the run completes");
+    print_outcome(config, &outcome);
+    assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
+    assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
+    assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");
+    outcome
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
     common::init_tracing();
@@ -42,11 +53,7 @@ async fn serve_processes_under_every_kind_of_fault_keep_every_invariant() {
     let dir = tempfile::tempdir().unwrap();
     let mut config = NemesisConfig::new(seed(), Duration::from_secs(40));
     config.serve_binary = Some(env!("CARGO_BIN_EXE_tenure").into());
-    let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
-    print_outcome(&config, &outcome);
-    assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
-    assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
-    assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");
+    let outcome = run_keeping_every_invariant(&config, dir.path()).await;
     assert_eq!(outcome.faults.len(), FaultKind::ALL.len(), "every kind of fault ran: {:?}", outcome.faults);
     // Fencing was exercised by real SIGSTOPs: a frozen worker process's late writes were refused.
     assert!(outcome.refused_from_frozen_workers() > 0, "no write refused from a frozen worker process");
@@ -65,12 +72,8 @@ async fn in_process_nodes_under_faults_keep_every_invariant() {
     let _turn = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let config = NemesisConfig::new(seed(), Duration::from_secs(20));
-    let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
-    print_outcome(&config, &outcome);
-    assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
-    assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
+    let outcome = run_keeping_every_invariant(&config, dir.path()).await;
     assert!(outcome.history.faults.len() >= 4, "too few faults: {:?}", outcome.faults);
-    assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -103,11 +106,7 @@ async fn a_rolling_upgrade_of_the_placement_rules_keeps_every_invariant() {
     let mut config = NemesisConfig::new(seed(), Duration::from_secs(16));
     config.faults =
         vec![FaultKind::UpgradeNode, FaultKind::KillLeader, FaultKind::LeaveWorker, FaultKind::DropWorker];
-    let outcome = nemesis::run(&config, dir.path()).await.expect("the run completes");
-    print_outcome(&config, &outcome);
-    assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
-    assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
-    assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");
+    let outcome = run_keeping_every_invariant(&config, dir.path()).await;
     // Every node was upgraded once: the last step leaves the whole cluster on the new rules.
     let upgrades: Vec<&str> = outcome
         .history

@@ -162,10 +162,13 @@ async fn a_log_entry_of_an_unknown_format_stops_the_node_and_is_named() {
         db.iterator_cf(log, rocksdb::IteratorMode::Start).map(|item| item.expect("readable")).collect();
     assert!(entries.len() > 5, "{} entries", entries.len());
     assert!(entries.iter().all(|(_, value)| value[0] == FORMAT), "every entry carries this build's format");
-    let (key, value) = entries.last().expect("a last entry");
-    let mut newer = value.to_vec();
-    newer[0] = FORMAT + 1;
-    db.put_cf(log, key, newer).expect("rewritten");
+    // The last entry (what a starting node reads first) and the first (what a replay reads
+    // first: the last may lie beyond what the node had applied, where a replay stops).
+    for (key, value) in [entries.first(), entries.last()].into_iter().flatten() {
+        let mut newer = value.to_vec();
+        newer[0] = FORMAT + 1;
+        db.put_cf(log, key, newer).expect("rewritten");
+    }
     drop(db);
 
     let refused = c.restart(id).await.expect_err("a log this build cannot read stops the node");

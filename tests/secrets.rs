@@ -5,7 +5,6 @@ mod common;
 
 use common::*;
 use tenure::proto;
-use tenure::proto::coordinator_client::CoordinatorClient;
 
 /// Every file under `dir`, read whole.
 fn files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
@@ -28,9 +27,7 @@ fn files(dir: &std::path::Path) -> Vec<(std::path::PathBuf, Vec<u8>)> {
 async fn no_node_keeps_a_session_secret_on_disk() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let leader = c.leader().expect("a leader");
-    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
-    let joined = client.join(proto::JoinRequest { name: "w".into(), weight: 1 }).await.unwrap().into_inner();
+    let (mut client, joined) = raw_join(&c, "w").await;
     assert!(joined.secret.len() >= 32, "a secret of 128 bits or more: {:?}", joined.secret);
     // The secret works, and every command that carries one for the session is in the log: a
     // heartbeat, a release of everything, a leave.

@@ -84,27 +84,23 @@ pub(crate) fn process_cpu_time(pid: &str) -> Option<Duration> {
     Some(Duration::from_millis(ticks * 10)) // USER_HZ is 100 on Linux
 }
 
+/// Joins one session under `name` (through the client, following the leader); what it needs to
+/// heartbeat.
+pub(crate) async fn join_session(client: Client, name: String) -> Result<proto::HeartbeatRequest> {
+    let r = client
+        .call(|mut c| {
+            let name = name.clone();
+            async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
+        })
+        .await?;
+    Ok(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret, ..Default::default() })
+}
+
 /// `sessions` sessions named `s0`, `s1`, ..., joined 32 at a time, as a fleet starting up
 /// would (Raft batches them); what each needs to heartbeat.
 pub(crate) async fn join_sessions(client: &Client, sessions: usize) -> Result<Vec<proto::HeartbeatRequest>> {
     futures::stream::iter(0..sessions)
-        .map(|n| {
-            let client = client.clone();
-            async move {
-                let name = format!("s{n}");
-                let r = client
-                    .call(|mut c| {
-                        let name = name.clone();
-                        async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
-                    })
-                    .await?;
-                Ok::<_, anyhow::Error>(proto::HeartbeatRequest {
-                    session_id: r.session_id,
-                    secret: r.secret,
-                    ..Default::default()
-                })
-            }
-        })
+        .map(|n| join_session(client.clone(), format!("s{n}")))
         .buffer_unordered(32)
         .collect::<Vec<_>>()
         .await

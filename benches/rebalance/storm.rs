@@ -36,18 +36,7 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
             let client = clients[n / SESSIONS_PER_CLIENT].clone();
             let (renewed, stop, tasks) = (renewed.clone(), stop.clone(), tasks.clone());
             async move {
-                let name = format!("storm-{n}");
-                let r = client
-                    .call(|mut c| {
-                        let name = name.clone();
-                        async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
-                    })
-                    .await?;
-                let beat = proto::HeartbeatRequest {
-                    session_id: r.session_id,
-                    secret: r.secret,
-                    ..Default::default()
-                };
+                let beat = join_session(client.clone(), format!("storm-{n}")).await?;
                 // From its join on, the session renews and gives back what is revoked.
                 let watch = tokio::spawn(watch_and_release(client.clone(), beat.clone(), stop.clone()));
                 let beats = tokio::spawn(heartbeat_every(client, beat.clone(), ttl / 4, renewed, stop));

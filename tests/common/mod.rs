@@ -109,3 +109,22 @@ pub fn single_believers(workers: &[&Worker]) {
 pub fn tokens(status: &StatusResponse) -> BTreeMap<u32, (u64, u64)> {
     status.partitions.iter().map(|r| (r.partition, (r.owner, r.token))).collect()
 }
+
+/// A client of its own speaking the public API to the leader, and the session it joined under
+/// `name`: for tests of what callers other than the worker library can do.
+pub async fn raw_join(
+    c: &LocalCluster,
+    name: &str,
+) -> (
+    tenure::proto::coordinator_client::CoordinatorClient<tonic::transport::Channel>,
+    tenure::proto::JoinResponse,
+) {
+    let leader = c.leader().expect("a leader");
+    let mut client =
+        tenure::proto::coordinator_client::CoordinatorClient::connect(format!("http://{}", c.addr(leader)))
+            .await
+            .expect("connects to the leader");
+    let request = tenure::proto::JoinRequest { name: name.into(), weight: 1 };
+    let joined = client.join(request).await.expect("joins").into_inner();
+    (client, joined)
+}
