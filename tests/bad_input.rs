@@ -113,7 +113,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     assert!(matches!(err, tenure::worker::ClientError::PartitionOutOfRange(_)), "{err:?}");
 
     // Garbage on the Raft port is refused, not applied.
-    let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let mut raft = RaftTransportClient::connect(format!("http://{}", c.peer_addr(leader))).await.unwrap();
     let err = raft.append_entries(RaftPayload { data: b"\x00garbage".to_vec() }).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     // So is a message in a format version this build does not read (a peer on another
@@ -229,13 +229,74 @@ async fn worker_timings_that_cannot_keep_a_lease_are_refused() {
     c.shutdown().await;
 }
 
+/// Peers and clients are served on different listeners: a client that reaches a node's client
+/// address cannot speak Raft there. A forged `Vote` with a far higher term (which would depose
+/// the leader if a node took it in) and a forged `AppendEntries` are refused as unknown
+/// methods, and the leader keeps its term.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raft_messages_on_the_client_listener_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let metrics = || c.node(leader).expect("the leader runs").raft().metrics().borrow().clone();
+    let before = metrics();
+    for id in c.ids() {
+        let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(id))).await.unwrap();
+        let vote = openraft::raft::VoteRequest::<u64> {
+            vote: openraft::Vote::new(before.current_term + 1000, id),
+            last_log_id: before.last_log_index.map(|i| {
+                openraft::LogId::new(
+                    openraft::CommittedLeaderId::new(before.current_term + 1000, id),
+                    i + 1000,
+                )
+            }),
+        };
+        let err = raft.vote(RaftPayload { data: tenure::codec::encode(&vote) }).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unimplemented, "{err:?}");
+        let append = openraft::raft::AppendEntriesRequest::<tenure::raft::TypeConfig> {
+            vote: openraft::Vote::new_committed(before.current_term + 1000, id),
+            prev_log_id: None,
+            entries: Vec::new(),
+            leader_commit: None,
+        };
+        let err =
+            raft.append_entries(RaftPayload { data: tenure::codec::encode(&append) }).await.unwrap_err();
+        assert_eq!(err.code(), Code::Unimplemented, "{err:?}");
+    }
+    let after = metrics();
+    assert_eq!(after.current_term, before.current_term, "the forged vote reached no node");
+    assert_eq!(c.leader(), Some(leader));
+    c.shutdown().await;
+}
+
 #[test]
 fn bad_node_configurations_are_refused() {
-    let peers = |ids: &[u64]| ids.iter().map(|i| (*i, format!("127.0.0.1:{}", 7000 + i))).collect();
+    let member = |i: u64| tenure::raft::Member {
+        peer_addr: format!("127.0.0.1:{}", 7100 + i),
+        client_addr: format!("127.0.0.1:{}", 7000 + i),
+    };
+    let peers = move |ids: &[u64]| ids.iter().map(|i| (*i, member(*i))).collect();
     let dir = std::path::PathBuf::from("unused");
     let cases: Vec<(NodeConfig, &str)> = vec![
         (NodeConfig::new(4, peers(&[1, 2, 3]), dir.clone()), "not among the peers"),
         (NodeConfig::new(0, peers(&[0, 1, 2]), dir.clone()), "reserved"),
+        (
+            {
+                let mut c = NodeConfig::new(1, peers(&[1, 2]), dir.clone());
+                let m = c.peers.get_mut(&2).unwrap();
+                m.peer_addr = m.client_addr.clone();
+                c
+            },
+            "node 2 serves peers and clients on one address",
+        ),
+        (
+            {
+                let mut c = NodeConfig::new(1, peers(&[1]), dir.clone());
+                c.peers.get_mut(&1).unwrap().peer_addr.clear();
+                c
+            },
+            "needs both a peer and a client address",
+        ),
         (
             {
                 let mut c = NodeConfig::new(1, peers(&[1]), dir.clone());
@@ -279,13 +340,16 @@ fn bad_node_configurations_are_refused() {
 fn the_binary_rejects_garbage_flags_with_a_clear_message() {
     let bin = env!("CARGO_BIN_EXE_tenure");
     let run = |args: &[&str]| std::process::Command::new(bin).args(args).output().unwrap();
-    let out = run(&["serve", "--id", "1", "--peers", "1=nowhere", "--data-dir", "x"]);
+    let out = run(&["serve", "--id", "1", "--peers", "1=nowhere/127.0.0.1:2", "--data-dir", "x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("bad address"));
-    let out = run(&["serve", "--id", "x", "--peers", "1=127.0.0.1:1", "--data-dir", "x"]);
+    let out = run(&["serve", "--id", "1", "--peers", "1=127.0.0.1:1", "--data-dir", "x"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected id=CLIENT_ADDR/PEER_ADDR"));
+    let out = run(&["serve", "--id", "x", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--id"));
-    let out = run(&["serve", "--id", "2", "--peers", "1=127.0.0.1:1", "--data-dir", "x"]);
+    let out = run(&["serve", "--id", "2", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not in --peers"));
 }
@@ -300,7 +364,7 @@ async fn a_garbage_snapshot_is_refused_and_the_node_keeps_running() {
     let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
     let follower = c.ids().into_iter().find(|id| *id != leader).expect("a follower");
     let vote = c.node(leader).expect("the leader runs").raft().metrics().borrow().vote;
-    let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(follower))).await.unwrap();
+    let mut raft = RaftTransportClient::connect(format!("http://{}", c.peer_addr(follower))).await.unwrap();
     let chunk = |offset: u64, data: Vec<u8>, done: bool| {
         let request = openraft::raft::InstallSnapshotRequest::<tenure::raft::TypeConfig> {
             vote,

@@ -54,11 +54,13 @@ fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     let dir = tempfile::tempdir().unwrap();
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let peer_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let peers = ports
         .iter()
+        .zip(&peer_ports)
         .enumerate()
-        .map(|(i, p)| format!("{}=127.0.0.1:{p}", i + 1))
+        .map(|(i, (p, q))| format!("{}=127.0.0.1:{p}/127.0.0.1:{q}", i + 1))
         .collect::<Vec<_>>()
         .join(",");
     let mut children = Processes(Vec::new());

@@ -1,5 +1,5 @@
-//! A TCP proxy in front of one coordinator node that can cut chosen sources off: the network
-//! partitions of the nemesis. Every participant of a run dials from its own loopback address
+//! A TCP proxy in front of one coordinator node (both its listeners, peers' and clients') that
+//! can cut chosen sources off: the network partitions of the nemesis. Every participant of a run dials from its own loopback address
 //! (nodes from `127.0.1.<id>`, workers from `127.0.2.<n>`), so the proxy knows who is calling
 //! by the source address alone. Blocking a source cuts its open connections and refuses new
 //! ones until healed: the caller sees resets, then timeouts of its retries, as across a broken
@@ -23,28 +23,44 @@ struct Links {
     open: Vec<(IpAddr, AbortHandle)>,
 }
 
-/// Forwards connections from `addr()` to a target, except from blocked sources.
+/// Forwards connections from each of its addresses to that address's target, except from
+/// blocked sources; one rule set covers them all.
 pub struct FaultProxy {
-    addr: SocketAddr,
+    addrs: Vec<SocketAddr>,
     links: Arc<Mutex<Links>>,
     /// Added to every chunk in flight, in microseconds.
     delay_us: Arc<AtomicU64>,
-    accept: JoinHandle<()>,
+    accepts: Vec<JoinHandle<()>>,
 }
 
 impl FaultProxy {
     /// Listens on `listen` (port 0 picks one) and forwards to `target`.
     pub async fn start(listen: SocketAddr, target: SocketAddr) -> std::io::Result<FaultProxy> {
-        let listener = TcpListener::bind(listen).await?;
-        let addr = listener.local_addr()?;
         let links = Arc::new(Mutex::new(Links::default()));
         let delay_us = Arc::new(AtomicU64::new(0));
-        let accept = tokio::spawn(accept_loop(listener, target, links.clone(), delay_us.clone()));
-        Ok(FaultProxy { addr, links, delay_us, accept })
+        let mut proxy = FaultProxy { addrs: Vec::new(), links, delay_us, accepts: Vec::new() };
+        proxy.forward_also(listen, target).await?;
+        Ok(proxy)
     }
 
+    /// Also listens on `listen` and forwards to `target`, under the same blocks and delay (a
+    /// node's second listener); returns the new address.
+    pub async fn forward_also(
+        &mut self,
+        listen: SocketAddr,
+        target: SocketAddr,
+    ) -> std::io::Result<SocketAddr> {
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        let accept = accept_loop(listener, target, self.links.clone(), self.delay_us.clone());
+        self.accepts.push(tokio::spawn(accept));
+        self.addrs.push(addr);
+        Ok(addr)
+    }
+
+    /// The first address it listens on.
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.addrs[0]
     }
 
     /// Cuts every open connection from `sources` and refuses their new ones.
@@ -75,7 +91,9 @@ impl FaultProxy {
 
 impl Drop for FaultProxy {
     fn drop(&mut self) {
-        self.accept.abort();
+        for accept in &self.accepts {
+            accept.abort();
+        }
         for (_, task) in self.links.lock().expect("proxy lock poisoned").open.drain(..) {
             task.abort();
         }

@@ -14,7 +14,7 @@
 //! It depends on `tenure-coordinator` and `tenure-worker`; nothing depends on it but the `tenure`
 //! binary and the tests, benchmarks and examples.
 
-use tenure_coordinator::{fence, ids, lease, ownership, server, store};
+use tenure_coordinator::{fence, ids, lease, ownership, raft, server, store};
 use tenure_worker::{self as worker, transport};
 
 pub mod fault_proxy;

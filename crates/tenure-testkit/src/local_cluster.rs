@@ -4,6 +4,7 @@
 use crate::fault_proxy::FaultProxy;
 use crate::ids::NodeId;
 use crate::proto;
+use crate::raft::Member;
 use crate::server::{self, NodeConfig, RunningNode};
 use crate::worker::{Client, ClientError};
 use std::collections::BTreeMap;
@@ -17,9 +18,9 @@ pub struct LocalCluster {
     nodes: BTreeMap<NodeId, Option<RunningNode>>,
     configs: BTreeMap<NodeId, NodeConfig>,
     /// The addresses every node and worker dials: the nodes' own, or their proxies'.
-    addrs: BTreeMap<NodeId, SocketAddr>,
-    /// Where each node listens; differs from `addrs` behind proxies.
-    listen: BTreeMap<NodeId, SocketAddr>,
+    members: BTreeMap<NodeId, Member>,
+    /// Where each node listens (peers, clients); differs from `members` behind proxies.
+    listen: BTreeMap<NodeId, (SocketAddr, SocketAddr)>,
     proxies: BTreeMap<NodeId, FaultProxy>,
 }
 
@@ -59,36 +60,37 @@ impl LocalCluster {
         let mut cluster = LocalCluster {
             nodes: BTreeMap::new(),
             configs: BTreeMap::new(),
-            addrs: BTreeMap::new(),
+            members: BTreeMap::new(),
             listen: BTreeMap::new(),
             proxies: BTreeMap::new(),
         };
         for id in 1..=n {
             let ip = if proxied { node_ip(id) } else { IpAddr::V4(Ipv4Addr::LOCALHOST) };
-            let listener = TcpListener::bind((ip, 0)).await.map_err(config_err)?;
-            let listen = listener.local_addr().map_err(config_err)?;
-            let advertised = if proxied {
-                let proxy =
-                    FaultProxy::start((Ipv4Addr::LOCALHOST, 0).into(), listen).await.map_err(config_err)?;
-                let addr = proxy.addr();
+            let peers = TcpListener::bind((ip, 0)).await.map_err(config_err)?;
+            let clients = TcpListener::bind((ip, 0)).await.map_err(config_err)?;
+            let listen = (peers.local_addr().map_err(config_err)?, clients.local_addr().map_err(config_err)?);
+            let (peer_addr, client_addr) = if proxied {
+                let front = (Ipv4Addr::LOCALHOST, 0).into();
+                let mut proxy = FaultProxy::start(front, listen.0).await.map_err(config_err)?;
+                let client_addr = proxy.forward_also(front, listen.1).await.map_err(config_err)?;
+                let peer_addr = proxy.addr();
                 cluster.proxies.insert(id, proxy);
-                addr
+                (peer_addr, client_addr)
             } else {
                 listen
             };
-            cluster.addrs.insert(id, advertised);
+            let member = Member { peer_addr: peer_addr.to_string(), client_addr: client_addr.to_string() };
+            cluster.members.insert(id, member);
             cluster.listen.insert(id, listen);
-            listeners.insert(id, listener);
+            listeners.insert(id, server::Listeners { peers, clients });
         }
-        let peers: BTreeMap<NodeId, String> =
-            cluster.addrs.iter().map(|(id, a)| (*id, a.to_string())).collect();
-        for (id, listener) in listeners {
-            let mut config = NodeConfig::new(id, peers.clone(), node_dir(dir, id));
+        for (id, listeners) in listeners {
+            let mut config = NodeConfig::new(id, cluster.members.clone(), node_dir(dir, id));
             if proxied {
                 config.dial_from = Some(node_ip(id));
             }
             tune(&mut config);
-            let running = server::start(config.clone(), listener).await?;
+            let running = server::start(config.clone(), listeners).await?;
             cluster.configs.insert(id, config);
             cluster.nodes.insert(id, Some(running));
         }
@@ -102,16 +104,22 @@ impl LocalCluster {
 
     /// Every node's id.
     pub fn ids(&self) -> Vec<NodeId> {
-        self.addrs.keys().copied().collect()
+        self.members.keys().copied().collect()
     }
 
-    /// `host:port` of every node, for worker clients.
+    /// `host:port` of every node's client listener, for workers and operators.
     pub fn addrs(&self) -> Vec<String> {
-        self.addrs.values().map(|a| a.to_string()).collect()
+        self.members.values().map(|m| m.client_addr.clone()).collect()
     }
 
+    /// Node `id`'s client listener (or its proxy).
     pub fn addr(&self, id: NodeId) -> SocketAddr {
-        self.addrs[&id]
+        self.members[&id].client_addr.parse().expect("a socket address")
+    }
+
+    /// Node `id`'s peer listener (or its proxy): where Raft traffic goes.
+    pub fn peer_addr(&self, id: NodeId) -> SocketAddr {
+        self.members[&id].peer_addr.parse().expect("a socket address")
     }
 
     /// Where node `id` keeps its RocksDB data.
@@ -165,8 +173,10 @@ impl LocalCluster {
         // that died would have released it. Bounded: ten seconds.
         let until = Instant::now() + Duration::from_secs(10);
         loop {
-            let listener = bind_again(self.listen[&id]).await?;
-            match server::start(self.configs[&id].clone(), listener).await {
+            let (peers, clients) = self.listen[&id];
+            let listeners =
+                server::Listeners { peers: bind_again(peers).await?, clients: bind_again(clients).await? };
+            match server::start(self.configs[&id].clone(), listeners).await {
                 Ok(running) => {
                     self.nodes.insert(id, Some(running));
                     return Ok(());

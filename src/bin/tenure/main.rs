@@ -10,6 +10,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 use tenure::ids::NodeId;
+use tenure::raft::Member;
 use tenure::server::{self, NodeConfig};
 
 #[derive(Parser)]
@@ -85,12 +86,17 @@ struct ServeArgs {
     /// This node's id (1, 2, ...); must appear in --peers.
     #[arg(long, env = "TENURE_NODE_ID")]
     id: NodeId,
-    /// Every voter as id=host:port, comma separated, e.g. 1=127.0.0.1:7001,2=127.0.0.1:7002.
+    /// Every voter as id=CLIENT_ADDR/PEER_ADDR, comma separated, e.g.
+    /// 1=127.0.0.1:7001/127.0.0.1:7101,2=127.0.0.1:7002/127.0.0.1:7102. Workers and operators
+    /// dial the client address; only peers reach the peer address (Raft).
     #[arg(long, env = "TENURE_PEERS", value_parser = parse_peer, value_delimiter = ',', required = true)]
-    peers: Vec<(NodeId, String)>,
-    /// Address to listen on; defaults to this node's address in --peers.
+    peers: Vec<(NodeId, Member)>,
+    /// Address to serve clients on; defaults to this node's client address in --peers.
     #[arg(long, env = "TENURE_LISTEN")]
     listen: Option<SocketAddr>,
+    /// Address to serve peers on; defaults to this node's peer address in --peers.
+    #[arg(long, env = "TENURE_LISTEN_PEERS")]
+    listen_peers: Option<SocketAddr>,
     /// Directory for this node's RocksDB data.
     #[arg(long, env = "TENURE_DATA_DIR")]
     data_dir: PathBuf,
@@ -246,12 +252,17 @@ enum CtlCommand {
     Status,
 }
 
-fn parse_peer(s: &str) -> Result<(NodeId, String), String> {
-    let (id, addr) = s.split_once('=').ok_or_else(|| format!("expected id=host:port, got {s:?}"))?;
+fn parse_peer(s: &str) -> Result<(NodeId, Member), String> {
+    let expected = || format!("expected id=CLIENT_ADDR/PEER_ADDR, got {s:?}");
+    let (id, addrs) = s.split_once('=').ok_or_else(expected)?;
+    let (client, peer) = addrs.split_once('/').ok_or_else(expected)?;
     let id: NodeId = id.trim().parse().map_err(|_| format!("bad node id in {s:?}"))?;
-    let addr = addr.trim();
-    addr.parse::<SocketAddr>().map_err(|_| format!("bad address in {s:?} (expected ip:port)"))?;
-    Ok((id, addr.to_string()))
+    let (client, peer) = (client.trim(), peer.trim());
+    for addr in [client, peer] {
+        addr.parse::<SocketAddr>()
+            .map_err(|_| format!("bad address {addr:?} in {s:?} (expected ip:port)"))?;
+    }
+    Ok((id, Member { peer_addr: peer.to_string(), client_addr: client.to_string() }))
 }
 
 #[tokio::main]
@@ -300,10 +311,15 @@ async fn serve(args: ServeArgs) -> Result<()> {
             bail!("node id {id} appears twice in --peers");
         }
     }
-    let advertised = peers.get(&args.id).with_context(|| format!("node id {} is not in --peers", args.id))?;
-    let listen = match args.listen {
+    let advertised =
+        peers.get(&args.id).with_context(|| format!("node id {} is not in --peers", args.id))?.clone();
+    let listen_clients = match args.listen {
         Some(a) => a,
-        None => advertised.parse().context("this node's address in --peers")?,
+        None => advertised.client_addr.parse().context("this node's client address in --peers")?,
+    };
+    let listen_peers = match args.listen_peers {
+        Some(a) => a,
+        None => advertised.peer_addr.parse().context("this node's peer address in --peers")?,
     };
     let mut config = NodeConfig::new(args.id, peers, args.data_dir);
     config.partition_count = args.partitions;
@@ -324,10 +340,13 @@ async fn serve(args: ServeArgs) -> Result<()> {
             .install()
             .context("starting the metrics endpoint")?;
     }
-    let listener =
-        tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
-    let node = server::start(config, listener).await?;
-    tracing::info!(addr = %node.addr, "serving");
+    let bind = |addr: SocketAddr| async move {
+        tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))
+    };
+    let listeners =
+        server::Listeners { peers: bind(listen_peers).await?, clients: bind(listen_clients).await? };
+    let node = server::start(config, listeners).await?;
+    tracing::info!(clients = %node.addr, peers = %node.peer_addr, "serving");
     tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
     tracing::info!("shutting down");
     node.shutdown().await;

@@ -13,10 +13,29 @@ openraft::declare_raft_types!(
     pub TypeConfig:
         D = Command,
         R = Response,
+        Node = Member,
 );
+
+/// A voter's two addresses, as the membership (and so every replica) records them. Peers and
+/// clients are different principals, so each node serves them on different listeners: Raft
+/// traffic reaches `peer_addr` only, and a worker or operator that can reach `client_addr` cannot
+/// speak Raft there.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Member {
+    /// Where the node serves its peers (the Raft transport).
+    pub peer_addr: String,
+    /// Where it serves workers, front-ends and operators; what a `NotLeader` answer names.
+    pub client_addr: String,
+}
+
+impl std::fmt::Display for Member {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} (peers {})", self.client_addr, self.peer_addr)
+    }
+}
 
 pub type Raft = openraft::Raft<TypeConfig>;
 pub type LogId = openraft::LogId<crate::ids::NodeId>;
-pub type StoredMembership = openraft::StoredMembership<crate::ids::NodeId, openraft::BasicNode>;
+pub type StoredMembership = openraft::StoredMembership<crate::ids::NodeId, Member>;
 pub type StorageError = openraft::StorageError<crate::ids::NodeId>;
 pub type Entry = openraft::Entry<TypeConfig>;

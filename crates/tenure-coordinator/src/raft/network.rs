@@ -5,14 +5,13 @@
 use crate::ids::NodeId;
 use crate::proto::peer::raft_transport_client::RaftTransportClient;
 use crate::proto::peer::RaftPayload;
-use crate::raft::TypeConfig;
+use crate::raft::{Member, TypeConfig};
 use openraft::error::{InstallSnapshotError, NetworkError, RPCError, RaftError, RemoteError, Unreachable};
 use openraft::network::{RPCOption, RaftNetwork, RaftNetworkFactory};
 use openraft::raft::{
     AppendEntriesRequest, AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse,
     VoteRequest, VoteResponse,
 };
-use openraft::BasicNode;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -79,9 +78,9 @@ pub struct PeerClient {
 impl RaftNetworkFactory<TypeConfig> for Network {
     type Network = PeerClient;
 
-    async fn new_client(&mut self, target: NodeId, node: &BasicNode) -> PeerClient {
+    async fn new_client(&mut self, target: NodeId, node: &Member) -> PeerClient {
         let client = self
-            .channel(&node.addr)
+            .channel(&node.peer_addr)
             .map(|channel| {
                 RaftTransportClient::new(channel)
                     .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
@@ -102,7 +101,7 @@ impl PeerClient {
         rpc: &'static str,
         req: &Req,
         option: &RPCOption,
-    ) -> Result<Resp, RPCError<NodeId, BasicNode, E>>
+    ) -> Result<Resp, RPCError<NodeId, Member, E>>
     where
         Req: Serialize,
         Resp: DeserializeOwned,
@@ -140,7 +139,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
-    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+    ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, Member, RaftError<NodeId>>> {
         self.call("append", &rpc, &option).await
     }
 
@@ -150,7 +149,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         option: RPCOption,
     ) -> Result<
         InstallSnapshotResponse<NodeId>,
-        RPCError<NodeId, BasicNode, RaftError<NodeId, InstallSnapshotError>>,
+        RPCError<NodeId, Member, RaftError<NodeId, InstallSnapshotError>>,
     > {
         self.call("snapshot", &rpc, &option).await
     }
@@ -159,7 +158,7 @@ impl RaftNetwork<TypeConfig> for PeerClient {
         &mut self,
         rpc: VoteRequest<NodeId>,
         option: RPCOption,
-    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+    ) -> Result<VoteResponse<NodeId>, RPCError<NodeId, Member, RaftError<NodeId>>> {
         self.call("vote", &rpc, &option).await
     }
 }

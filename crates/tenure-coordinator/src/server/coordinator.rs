@@ -576,7 +576,11 @@ impl Coordinator for CoordinatorService {
             .membership
             .membership()
             .nodes()
-            .map(|(id, n)| proto::Node { id: *id, addr: n.addr.clone() })
+            .map(|(id, n)| proto::Node {
+                id: *id,
+                addr: n.client_addr.clone(),
+                peer_addr: n.peer_addr.clone(),
+            })
             .collect();
         let leader_addr =
             nodes.iter().find(|n| n.id == leader_id).map(|n| n.addr.clone()).unwrap_or_default();

@@ -1,5 +1,7 @@
 //! A coordinator node: RocksDB store, openraft, the leader's duties and the gRPC services, wired
-//! together and run on a listener the caller bound, until a shutdown token fires.
+//! together and run on two listeners the caller bound (peers, clients), until a shutdown token
+//! fires. The Raft transport is served only on the peer listener: peers and clients are
+//! different principals, and a client must never be able to send a `Vote` or an entry.
 //!
 //! What runs where:
 //! - [`coordinator`]: the worker-facing API. Joins, releases and leaves become log entries;
@@ -23,10 +25,11 @@ use crate::ownership::{Command, Response};
 use crate::proto::coordinator_server::CoordinatorServer;
 use crate::proto::peer::raft_transport_server::RaftTransportServer;
 use crate::raft::network::{Network, MAX_RAFT_MESSAGE_BYTES};
+use crate::raft::Member;
 use crate::raft::Raft;
 use crate::store::{LogStore, SharedState, StateMachineStore};
 use openraft::error::{ClientWriteError, RaftError};
-use openraft::{BasicNode, ServerState, SnapshotPolicy};
+use openraft::{ServerState, SnapshotPolicy};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -41,8 +44,9 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Debug)]
 pub struct NodeConfig {
     pub id: NodeId,
-    /// Every voter of the cluster, this node included, with the address it serves on.
-    pub peers: BTreeMap<NodeId, String>,
+    /// Every voter of the cluster, this node included, with the addresses it serves peers and
+    /// clients on.
+    pub peers: BTreeMap<NodeId, Member>,
     pub data_dir: PathBuf,
     pub partition_count: u32,
     pub lease_ttl: Duration,
@@ -83,7 +87,7 @@ const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl NodeConfig {
     /// A configuration with the defaults for everything but identity and placement.
-    pub fn new(id: NodeId, peers: BTreeMap<NodeId, String>, data_dir: PathBuf) -> Self {
+    pub fn new(id: NodeId, peers: BTreeMap<NodeId, Member>, data_dir: PathBuf) -> Self {
         NodeConfig {
             id,
             peers,
@@ -113,6 +117,17 @@ impl NodeConfig {
                 self.id,
                 self.peers.keys().collect::<Vec<_>>()
             ));
+        }
+        for (id, member) in &self.peers {
+            if member.peer_addr.is_empty() || member.client_addr.is_empty() {
+                return bad(format!("node {id} needs both a peer and a client address"));
+            }
+            if member.peer_addr == member.client_addr {
+                return bad(format!(
+                    "node {id} serves peers and clients on one address ({}); give each its own",
+                    member.peer_addr
+                ));
+            }
         }
         if self.peers.contains_key(&0) {
             return bad("node id 0 is reserved; number nodes from 1".into());
@@ -174,7 +189,7 @@ pub struct Node {
     /// its file lock) is released on shutdown.
     pub(crate) stopping: CancellationToken,
     /// Role and leader, as openraft last reported them (kept, so a request needs no new handle).
-    server_metrics: tokio::sync::watch::Receiver<openraft::metrics::RaftServerMetrics<NodeId, BasicNode>>,
+    server_metrics: tokio::sync::watch::Receiver<openraft::metrics::RaftServerMetrics<NodeId, Member>>,
     /// One permit per open ownership or route stream (see [`NodeConfig::max_streams`]).
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
     /// One permit per open heartbeat stream.
@@ -236,8 +251,8 @@ impl Node {
             .membership
             .membership()
             .get_node(&id)
-            .map(|n| n.addr.clone())
-            .or_else(|| self.config.peers.get(&id).cloned())
+            .map(|n| n.client_addr.clone())
+            .or_else(|| self.config.peers.get(&id).map(|m| m.client_addr.clone()))
     }
 
     /// Proposes a command and waits until it is committed and applied.
@@ -250,7 +265,7 @@ impl Node {
             Err(RaftError::APIError(ClientWriteError::ForwardToLeader(f))) => {
                 Err(CoordinatorError::NotLeader {
                     leader_id: f.leader_id,
-                    leader_addr: f.leader_node.map(|n| n.addr),
+                    leader_addr: f.leader_node.map(|n| n.client_addr),
                 })
             }
             Err(e) => Err(CoordinatorError::Unavailable(e.to_string())),
@@ -264,9 +279,25 @@ const SHUTDOWN_GRACE: Duration = Duration::from_millis(300);
 /// A started node; [`RunningNode::shutdown`] stops it and releases its database.
 pub struct RunningNode {
     pub node: Arc<Node>,
+    /// Where it serves workers, front-ends and operators.
     pub addr: std::net::SocketAddr,
+    /// Where it serves its peers.
+    pub peer_addr: std::net::SocketAddr,
     cancel: CancellationToken,
     tasks: Vec<JoinHandle<()>>,
+}
+
+/// The two listeners a node serves on: peers and clients are different principals and never
+/// share a port (see [`crate::raft::Member`]).
+pub struct Listeners {
+    pub peers: TcpListener,
+    pub clients: TcpListener,
+}
+
+/// Connections accepted for one of a node's two listeners, and where they arrive.
+pub struct Incoming<I> {
+    pub addr: std::net::SocketAddr,
+    pub connections: I,
 }
 
 impl RunningNode {
@@ -312,22 +343,25 @@ fn raft_config(config: &NodeConfig) -> Result<openraft::Config, NodeError> {
     .map_err(|e| NodeError::Config(e.to_string()))
 }
 
-/// Opens the store, starts Raft and serves on `listener` until [`RunningNode::shutdown`].
+/// Opens the store, starts Raft and serves on `listeners` until [`RunningNode::shutdown`].
 /// The node with the smallest id initialises a new cluster.
-pub async fn start(config: NodeConfig, listener: TcpListener) -> Result<RunningNode, NodeError> {
-    let addr = listener.local_addr().map_err(|e| NodeError::Config(e.to_string()))?;
+pub async fn start(config: NodeConfig, listeners: Listeners) -> Result<RunningNode, NodeError> {
+    let addr = |l: &TcpListener| l.local_addr().map_err(|e| NodeError::Config(e.to_string()));
+    let (peer_addr, client_addr) = (addr(&listeners.peers)?, addr(&listeners.clients)?);
     // No Nagle: small answers and stream events must not wait for the peer's delayed ACK
     // (about 40 ms on Linux), which would be most of a planned move.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    start_on(config, addr, incoming).await
+    let incoming = |l: TcpListener| tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+    let peers = Incoming { addr: peer_addr, connections: incoming(listeners.peers) };
+    let clients = Incoming { addr: client_addr, connections: incoming(listeners.clients) };
+    start_on(config, peers, clients).await
 }
 
-/// [`start`], serving the connections that `incoming` accepts (which the simulation uses to
-/// serve over its simulated network); `addr` is where they arrive.
+/// [`start`], serving the connections that `peers` and `clients` accept (which the simulation
+/// uses to serve over its simulated network).
 pub async fn start_on<I, IO, IE>(
     config: NodeConfig,
-    addr: std::net::SocketAddr,
-    incoming: I,
+    peers: Incoming<I>,
+    clients: Incoming<I>,
 ) -> Result<RunningNode, NodeError>
 where
     I: futures::Stream<Item = Result<IO, IE>> + Send + 'static,
@@ -364,9 +398,7 @@ where
 
     let first = config.peers.keys().next().copied();
     if first == Some(config.id) && !raft.is_initialized().await.map_err(|e| NodeError::Raft(e.to_string()))? {
-        let members: BTreeMap<NodeId, BasicNode> =
-            config.peers.iter().map(|(id, a)| (*id, BasicNode { addr: a.clone() })).collect();
-        if let Err(e) = raft.initialize(members).await {
+        if let Err(e) = raft.initialize(config.peers.clone()).await {
             tracing::info!(error = %e, "cluster already initialised");
         }
     }
@@ -394,20 +426,33 @@ where
     let transport = RaftTransportServer::new(raft_service::RaftService::new(raft))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+    // Peers reach the Raft transport only on their listener, clients the worker-facing API only
+    // on theirs: a client connection cannot carry a `Vote` or an `AppendEntries`.
     let shutdown = cancel.clone();
     tasks.push(tokio::spawn(async move {
         let result = tonic::transport::Server::builder()
-            // A peer that stops answering pings (a frozen or vanished worker) loses its
+            .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
+            .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
+            .add_service(transport)
+            .serve_with_incoming_shutdown(peers.connections, shutdown.cancelled_owned())
+            .await;
+        if let Err(e) = result {
+            tracing::error!(error = %e, "peer gRPC server stopped");
+        }
+    }));
+    let shutdown = cancel.clone();
+    tasks.push(tokio::spawn(async move {
+        let result = tonic::transport::Server::builder()
+            // A client that stops answering pings (a frozen or vanished worker) loses its
             // connection, and with it the streams and permits it held.
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(coordinator)
-            .add_service(transport)
-            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+            .serve_with_incoming_shutdown(clients.connections, shutdown.cancelled_owned())
             .await;
         if let Err(e) = result {
-            tracing::error!(error = %e, "gRPC server stopped");
+            tracing::error!(error = %e, "client gRPC server stopped");
         }
     }));
-    Ok(RunningNode { node, addr, cancel, tasks })
+    Ok(RunningNode { node, addr: clients.addr, peer_addr: peers.addr, cancel, tasks })
 }

@@ -95,7 +95,7 @@ fn decode_snapshot(data: &[u8]) -> Result<SnapshotPayload, FormatError> {
 fn put_snapshot(
     db: &Db,
     batch: &mut rocksdb::WriteBatch,
-    meta: &SnapshotMeta<u64, openraft::BasicNode>,
+    meta: &SnapshotMeta<u64, crate::raft::Member>,
     data: &[u8],
 ) {
     let cf_meta = cf(db, CF_SM_META);
@@ -154,7 +154,7 @@ impl StateMachineStore {
         &self,
         applied: &mut Applied,
         full: bool,
-        snapshot: Option<(&SnapshotMeta<u64, openraft::BasicNode>, &[u8])>,
+        snapshot: Option<(&SnapshotMeta<u64, crate::raft::Member>, &[u8])>,
     ) -> Result<(), StorageError> {
         let changes = applied.state.take_changes();
         let mut batch = rocksdb::WriteBatch::default();
@@ -338,7 +338,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 
     async fn install_snapshot(
         &mut self,
-        meta: &SnapshotMeta<u64, openraft::BasicNode>,
+        meta: &SnapshotMeta<u64, crate::raft::Member>,
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
@@ -365,7 +365,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         let Some(meta) = self.db.get_cf(meta_cf, KEY_SNAPSHOT_META).map_err(read_err)? else {
             return Ok(None);
         };
-        let meta: SnapshotMeta<u64, openraft::BasicNode> = decode(&meta).map_err(read_err)?;
+        let meta: SnapshotMeta<u64, crate::raft::Member> = decode(&meta).map_err(read_err)?;
         let data = self
             .db
             .get_cf(meta_cf, KEY_SNAPSHOT_DATA)

@@ -73,10 +73,10 @@ pub struct ProcessCluster {
     settings: ServeSettings,
     dir: PathBuf,
     children: BTreeMap<NodeId, Option<Child>>,
-    /// Where each node listens (its own loopback address, a fixed port).
-    listen: BTreeMap<NodeId, SocketAddr>,
-    /// What peers and workers dial: the proxies.
-    addrs: BTreeMap<NodeId, SocketAddr>,
+    /// Where each node listens (its own loopback address, fixed ports): peers, clients.
+    listen: BTreeMap<NodeId, (SocketAddr, SocketAddr)>,
+    /// What peers and workers dial: the proxies (peers, clients).
+    addrs: BTreeMap<NodeId, (SocketAddr, SocketAddr)>,
     proxies: BTreeMap<NodeId, FaultProxy>,
     /// Nodes restarted with another lease TTL flag than the cluster's.
     ttl_flags: BTreeMap<NodeId, Duration>,
@@ -98,14 +98,16 @@ impl ProcessCluster {
             ring_seeds: BTreeMap::new(),
         };
         for id in 1..=n {
-            // A port free on the node's own address; the process binds it a moment later.
-            let probe = std::net::TcpListener::bind((node_ip(id), 0)).map_err(io("choosing a port"))?;
-            let listen = probe.local_addr().map_err(io("choosing a port"))?;
-            drop(probe);
-            let proxy = FaultProxy::start((Ipv4Addr::LOCALHOST, 0).into(), listen)
-                .await
-                .map_err(io("starting a proxy"))?;
-            cluster.addrs.insert(id, proxy.addr());
+            // Ports free on the node's own address; the process binds them a moment later.
+            let free_port = || -> Result<SocketAddr, ProcessError> {
+                let probe = std::net::TcpListener::bind((node_ip(id), 0)).map_err(io("choosing a port"))?;
+                probe.local_addr().map_err(io("choosing a port"))
+            };
+            let listen = (free_port()?, free_port()?);
+            let front = (Ipv4Addr::LOCALHOST, 0).into();
+            let mut proxy = FaultProxy::start(front, listen.0).await.map_err(io("starting a proxy"))?;
+            let client_addr = proxy.forward_also(front, listen.1).await.map_err(io("starting a proxy"))?;
+            cluster.addrs.insert(id, (proxy.addr(), client_addr));
             cluster.proxies.insert(id, proxy);
             cluster.listen.insert(id, listen);
         }
@@ -117,7 +119,8 @@ impl ProcessCluster {
 
     fn spawn(&mut self, id: NodeId) -> Result<(), ProcessError> {
         let s = &self.settings;
-        let peers: Vec<String> = self.addrs.iter().map(|(id, a)| format!("{id}={a}")).collect();
+        let peers: Vec<String> =
+            self.addrs.iter().map(|(id, (peer, client))| format!("{id}={client}/{peer}")).collect();
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -127,7 +130,8 @@ impl ProcessCluster {
         command
             .arg("serve")
             .args(["--id", &id.to_string(), "--peers", &peers.join(",")])
-            .args(["--listen", &self.listen[&id].to_string()])
+            .args(["--listen", &self.listen[&id].1.to_string()])
+            .args(["--listen-peers", &self.listen[&id].0.to_string()])
             .arg("--data-dir")
             .arg(self.dir.join(format!("node-{id}")))
             .args(["--partitions", &s.partition_count.to_string()])
@@ -156,8 +160,9 @@ impl ProcessCluster {
         self.addrs.keys().copied().collect()
     }
 
+    /// Every node's client address (its proxy), for workers and operators.
     pub fn addrs(&self) -> Vec<String> {
-        self.addrs.values().map(|a| a.to_string()).collect()
+        self.addrs.values().map(|(_, client)| client.to_string()).collect()
     }
 
     pub fn proxy(&self, id: NodeId) -> Option<&FaultProxy> {
@@ -176,7 +181,7 @@ impl ProcessCluster {
 
     /// Asks node `id` directly (not through its proxy) for its status.
     async fn status_of(&self, id: NodeId) -> Option<proto::StatusResponse> {
-        let client = Client::new(vec![self.listen[&id].to_string()]).ok()?;
+        let client = Client::new(vec![self.listen[&id].1.to_string()]).ok()?;
         tokio::time::timeout(Duration::from_millis(500), client.status()).await.ok()?.ok()
     }
 

@@ -42,6 +42,7 @@ use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed,
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::nemesis::workload::{Action, LocalSink, SlotTask, Stall, View};
 use crate::nemesis::{Clock, JournaledStore};
+use crate::raft::Member;
 use crate::server::{self, NodeConfig};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -53,6 +54,8 @@ use std::time::Duration;
 
 /// The port every simulated node serves on.
 const PORT: u16 = 7000;
+/// The port every simulated node serves its peers on.
+const PEER_PORT: u16 = 7100;
 
 /// One kind of fault of the simulation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -282,8 +285,14 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
         .build();
     let shared = Shared::default();
     let ids: Vec<NodeId> = (1..=config.nodes as NodeId).collect();
-    let peers: BTreeMap<NodeId, String> =
-        ids.iter().map(|id| (*id, format!("{}:{PORT}", node_name(*id)))).collect();
+    let peers: BTreeMap<NodeId, Member> = ids
+        .iter()
+        .map(|id| {
+            let (peer_addr, client_addr) =
+                (format!("{}:{PEER_PORT}", node_name(*id)), format!("{}:{PORT}", node_name(*id)));
+            (*id, Member { peer_addr, client_addr })
+        })
+        .collect();
     for id in &ids {
         add_node(&mut sim, config, *id, &peers, dir.join(node_name(*id)), &shared);
     }
@@ -366,7 +375,7 @@ fn add_node(
     sim: &mut turmoil::Sim<'_>,
     config: &SimConfig,
     id: NodeId,
-    peers: &BTreeMap<NodeId, String>,
+    peers: &BTreeMap<NodeId, Member>,
     data_dir: PathBuf,
     shared: &Shared,
 ) {
@@ -388,9 +397,13 @@ fn add_node(
             node_config.placement.ring_seed = *seed;
         }
         async move {
-            let listener = turmoil::net::TcpListener::bind((std::net::Ipv4Addr::UNSPECIFIED, PORT)).await?;
-            let addr = listener.local_addr()?;
-            let node = server::start_on(node_config, addr, net::incoming(listener)).await?;
+            let any = std::net::Ipv4Addr::UNSPECIFIED;
+            let listen = |port| async move {
+                let listener = turmoil::net::TcpListener::bind((any, port)).await?;
+                let addr = listener.local_addr()?;
+                Ok::<_, std::io::Error>(server::Incoming { addr, connections: net::incoming(listener) })
+            };
+            let node = server::start_on(node_config, listen(PEER_PORT).await?, listen(PORT).await?).await?;
             let (mut applied, from) = node.node.applied_events_after();
             let after = crate::recording::highest_index(&shared.committed.lock().expect("committed"), id);
             shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: from, after });
@@ -450,14 +463,14 @@ fn add_worker(
     sim: &mut turmoil::Sim<'_>,
     config: &SimConfig,
     n: usize,
-    peers: &BTreeMap<NodeId, String>,
+    peers: &BTreeMap<NodeId, Member>,
     store: &Arc<JournaledStore>,
     pause: &Arc<Mutex<Option<Duration>>>,
     view: &Arc<Mutex<View>>,
     shared: &Shared,
 ) {
     let name = worker_name(n);
-    let coordinators: Vec<String> = peers.values().cloned().collect();
+    let coordinators: Vec<String> = peers.values().map(|m| m.client_addr.clone()).collect();
     let nodes: Vec<String> = peers.keys().map(|id| node_name(*id)).collect();
     let (store, pause, view, records, actions) =
         (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone(), shared.actions.clone());
