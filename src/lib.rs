@@ -14,10 +14,10 @@
 //!
 //! See `ARCHITECTURE.md` for the code map and the invariants.
 
-pub use tenure_coordinator::{codec, lease, ownership, placement, planner, raft, server, store};
+pub use tenure_coordinator::{codec, lease, ownership, placement, planner, raft, server, store, tls};
 pub use tenure_core::{fence, ids, keyspace};
 pub use tenure_testkit::{
-    fault_proxy, history, local_cluster, nemesis, proto, recording, simulation, stack_simulation,
+    certs, fault_proxy, history, local_cluster, nemesis, proto, recording, simulation, stack_simulation,
 };
 pub use tenure_worker as worker;
 pub use tenure_worker::transport;

@@ -113,7 +113,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     assert!(matches!(err, tenure::worker::ClientError::PartitionOutOfRange(_)), "{err:?}");
 
     // Garbage on the Raft port is refused, not applied.
-    let mut raft = RaftTransportClient::connect(format!("http://{}", c.peer_addr(leader))).await.unwrap();
+    let mut raft = raft_client(&c, leader);
     let err = raft.append_entries(RaftPayload { data: b"\x00garbage".to_vec() }).await.unwrap_err();
     assert_eq!(err.code(), Code::InvalidArgument);
     // So is a message in a format version this build does not read (a peer on another
@@ -352,6 +352,47 @@ fn the_binary_rejects_garbage_flags_with_a_clear_message() {
     let out = run(&["serve", "--id", "2", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not in --peers"));
+    // No TLS material and no --insecure: refused, naming both ways out.
+    let out = run(&["serve", "--id", "1", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tls-ca") && err.contains("--insecure"), "{err}");
+    // Half the TLS material is not enough.
+    let out = run(&[
+        "serve",
+        "--id",
+        "1",
+        "--peers",
+        "1=127.0.0.1:1/127.0.0.1:2",
+        "--data-dir",
+        "x",
+        "--tls-ca",
+        "ca.pem",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert"));
+    // Files that do not hold what they should are named.
+    let dir = tempfile::tempdir().unwrap();
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not PEM").unwrap();
+    let junk = junk.to_str().unwrap();
+    let out = run(&[
+        "serve",
+        "--id",
+        "1",
+        "--peers",
+        "1=127.0.0.1:1/127.0.0.1:2",
+        "--data-dir",
+        "x",
+        "--tls-ca",
+        junk,
+        "--tls-cert",
+        junk,
+        "--tls-key",
+        junk,
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds no PEM certificate"));
 }
 
 /// A snapshot that does not decode, sent by a peer with the leader's own vote, is refused when
@@ -364,7 +405,7 @@ async fn a_garbage_snapshot_is_refused_and_the_node_keeps_running() {
     let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
     let follower = c.ids().into_iter().find(|id| *id != leader).expect("a follower");
     let vote = c.node(leader).expect("the leader runs").raft().metrics().borrow().vote;
-    let mut raft = RaftTransportClient::connect(format!("http://{}", c.peer_addr(follower))).await.unwrap();
+    let mut raft = raft_client(&c, follower);
     let chunk = |offset: u64, data: Vec<u8>, done: bool| {
         let request = openraft::raft::InstallSnapshotRequest::<tenure::raft::TypeConfig> {
             vote,

@@ -63,10 +63,22 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
         .map(|(i, (p, q))| format!("{}=127.0.0.1:{p}/127.0.0.1:{q}", i + 1))
         .collect::<Vec<_>>()
         .join(",");
+    // The operator's development certificates, as the README's quickstart makes them.
+    let certs = dir.path().join("certs");
+    let made =
+        Command::new(BIN).args(["certs", "--dir"]).arg(&certs).args(["--nodes", "3"]).output().unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     let mut children = Processes(Vec::new());
     for (i, metrics_port) in metrics.iter().enumerate() {
+        let id = i + 1;
         let child = Command::new(BIN)
-            .args(["serve", "--id", &(i + 1).to_string(), "--peers", &peers])
+            .args(["serve", "--id", &id.to_string(), "--peers", &peers])
+            .arg("--tls-ca")
+            .arg(certs.join("ca.pem"))
+            .arg("--tls-cert")
+            .arg(certs.join(format!("node-{id}.pem")))
+            .arg("--tls-key")
+            .arg(certs.join(format!("node-{id}-key.pem")))
             .arg("--data-dir")
             .arg(dir.path().join(format!("n{i}")))
             .args(["--partitions", "16", "--lease-ttl-ms", "2000"])

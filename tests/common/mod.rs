@@ -128,3 +128,33 @@ pub async fn raw_join(
     let joined = client.join(request).await.expect("joins").into_inner();
     (client, joined)
 }
+
+/// A Raft transport client for node `id`'s peer listener, over TLS trusting `ca_pem` and
+/// presenting `identity` (certificate and key PEM), if any. It connects on first use, so a
+/// refused handshake shows as that call's error.
+pub fn raft_client_as(
+    c: &LocalCluster,
+    id: tenure::ids::NodeId,
+    ca_pem: &str,
+    identity: Option<&tenure::certs::Issued>,
+) -> tenure::proto::peer::raft_transport_client::RaftTransportClient<tonic::transport::Channel> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(ca_pem));
+    if let Some(issued) = identity {
+        tls = tls.identity(Identity::from_pem(&issued.cert_pem, &issued.key_pem));
+    }
+    let endpoint =
+        Endpoint::from_shared(format!("https://{}", c.peer_addr(id))).unwrap().tls_config(tls).unwrap();
+    tenure::proto::peer::raft_transport_client::RaftTransportClient::new(endpoint.connect_lazy())
+}
+
+/// A Raft transport client for node `id`'s peer listener holding a node certificate from the
+/// cluster's CA: what a peer (or an attacker who stole a node's key) can send.
+pub fn raft_client(
+    c: &LocalCluster,
+    id: tenure::ids::NodeId,
+) -> tenure::proto::peer::raft_transport_client::RaftTransportClient<tonic::transport::Channel> {
+    let hosts = ["127.0.0.1".to_string()];
+    let issued = c.ca().issue(&tenure::tls::Principal::Node(id), &hosts, Default::default()).unwrap();
+    raft_client_as(c, id, &c.ca().ca_pem(), Some(&issued))
+}

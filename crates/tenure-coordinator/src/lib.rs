@@ -25,3 +25,4 @@ pub mod proto;
 pub mod raft;
 pub mod server;
 pub mod store;
+pub mod tls;

@@ -14,9 +14,10 @@
 //! It depends on `tenure-coordinator` and `tenure-worker`; nothing depends on it but the `tenure`
 //! binary and the tests, benchmarks and examples.
 
-use tenure_coordinator::{fence, ids, lease, ownership, raft, server, store};
+use tenure_coordinator::{fence, ids, lease, ownership, raft, server, store, tls};
 use tenure_worker::{self as worker, transport};
 
+pub mod certs;
 pub mod fault_proxy;
 pub mod history;
 pub mod local_cluster;

@@ -1,6 +1,7 @@
 //! A coordinator cluster of real nodes in one process, each on its own loopback port with its
 //! own RocksDB directory. Used by `tenure demo`, the cluster tests, examples and benchmarks.
 
+use crate::certs::DevCa;
 use crate::fault_proxy::FaultProxy;
 use crate::ids::NodeId;
 use crate::proto;
@@ -22,6 +23,9 @@ pub struct LocalCluster {
     /// Where each node listens (peers, clients); differs from `members` behind proxies.
     listen: BTreeMap<NodeId, (SocketAddr, SocketAddr)>,
     proxies: BTreeMap<NodeId, FaultProxy>,
+    /// The cluster's throw-away CA: every node's peer side runs mutual TLS with its
+    /// certificates. Boxed: it is large and rarely touched.
+    ca: Box<DevCa>,
 }
 
 /// The loopback address node `id` listens and dials from when it runs behind a proxy.
@@ -63,6 +67,10 @@ impl LocalCluster {
             members: BTreeMap::new(),
             listen: BTreeMap::new(),
             proxies: BTreeMap::new(),
+            ca: Box::new(
+                DevCa::new("tenure local cluster CA")
+                    .map_err(|e| server::NodeError::Config(e.to_string()))?,
+            ),
         };
         for id in 1..=n {
             let ip = if proxied { node_ip(id) } else { IpAddr::V4(Ipv4Addr::LOCALHOST) };
@@ -89,12 +97,21 @@ impl LocalCluster {
             if proxied {
                 config.dial_from = Some(node_ip(id));
             }
+            let hosts = ["127.0.0.1".to_string(), node_ip(id).to_string(), "localhost".to_string()];
+            let tls =
+                cluster.ca.node_tls(id, &hosts).map_err(|e| server::NodeError::Config(e.to_string()))?;
+            config.tls = Some(tls);
             tune(&mut config);
             let running = server::start(config.clone(), listeners).await?;
             cluster.configs.insert(id, config);
             cluster.nodes.insert(id, Some(running));
         }
         Ok(cluster)
+    }
+
+    /// The CA the nodes' certificates come from (to issue more: a worker's, a stranger's).
+    pub fn ca(&self) -> &DevCa {
+        &self.ca
     }
 
     /// The proxy in front of node `id`, when the cluster runs behind proxies.

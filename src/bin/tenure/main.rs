@@ -32,6 +32,8 @@ enum Command {
     Demo(DemoArgs),
     /// Inspect a running cluster.
     Ctl(CtlArgs),
+    /// Make a development CA and certificates for nodes, workers and operators (PEM files).
+    Certs(CertsArgs),
     /// Run the real cluster and workers under seeded faults, record the history and check it.
     Nemesis(NemesisArgs),
     /// Run the seeded simulation of the lease protocol over many seeds and check every history.
@@ -137,6 +139,38 @@ struct ServeArgs {
     /// rules, for rolling-upgrade tests; only the leader's applies, through the log.
     #[arg(long, hide = true, default_value_t = 0)]
     placement_ring_seed: u64,
+    /// The cluster's CA certificate (PEM): peers must present a node certificate it issued.
+    #[arg(long, env = "TENURE_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// This node's certificate (PEM), naming tenure://node/<id> and the hosts it serves.
+    #[arg(long, env = "TENURE_TLS_CERT", requires = "tls_ca")]
+    tls_cert: Option<PathBuf>,
+    /// This node's private key (PEM).
+    #[arg(long, env = "TENURE_TLS_KEY", requires = "tls_ca")]
+    tls_key: Option<PathBuf>,
+    /// Serve peers in plain text, without --tls-*: anyone who reaches the peer port can then
+    /// speak Raft. For trying tenure out on one machine only.
+    #[arg(long, conflicts_with = "tls_ca")]
+    insecure: bool,
+}
+
+#[derive(Args)]
+struct CertsArgs {
+    /// Directory for the PEM files; a CA already there (ca.pem, ca-key.pem) is reused.
+    #[arg(long)]
+    dir: PathBuf,
+    /// Node certificates for ids 1..=N.
+    #[arg(long, default_value_t = 3)]
+    nodes: u64,
+    /// Host names and IP addresses the nodes serve on, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "127.0.0.1,localhost")]
+    hosts: Vec<String>,
+    /// Worker certificates, by worker name, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    workers: Vec<String>,
+    /// Operator certificates, by name, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    operators: Vec<String>,
 }
 
 #[derive(Args)]
@@ -286,6 +320,7 @@ async fn main() -> Result<()> {
             demo::run(args.partitions, Duration::from_millis(args.lease_ttl_ms), &mut std::io::stdout()).await
         }
         Command::Ctl(args) => ctl(args).await,
+        Command::Certs(args) => certs(args),
         Command::Nemesis(args) => nemesis(args).await,
         Command::Simulate(args) => simulate(args),
         Command::SimulateStack(args) => simulate_stack(args),
@@ -302,6 +337,53 @@ async fn main() -> Result<()> {
             tenure::nemesis::run_worker_process(args).await.map_err(|e| anyhow::anyhow!(e))
         }
     }
+}
+
+/// Writes a development CA and certificates as PEM files; an existing CA in the directory is
+/// reused, so more certificates can be added later.
+fn certs(args: CertsArgs) -> Result<()> {
+    use tenure::certs::DevCa;
+    use tenure::tls::Principal;
+    std::fs::create_dir_all(&args.dir).with_context(|| format!("creating {}", args.dir.display()))?;
+    let (ca_path, key_path) = (args.dir.join("ca.pem"), args.dir.join("ca-key.pem"));
+    let ca = if ca_path.exists() && key_path.exists() {
+        let read = |p: &std::path::Path| {
+            std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))
+        };
+        DevCa::from_pem(&read(&ca_path)?, &read(&key_path)?)?
+    } else {
+        let ca = DevCa::new("tenure development CA")?;
+        write_private(&key_path, &ca.key_pem())?;
+        std::fs::write(&ca_path, ca.ca_pem()).with_context(|| format!("writing {}", ca_path.display()))?;
+        ca
+    };
+    let mut principals: Vec<(String, Principal)> =
+        (1..=args.nodes).map(|id| (format!("node-{id}"), Principal::Node(id))).collect();
+    principals.extend(args.workers.iter().map(|w| (format!("worker-{w}"), Principal::Worker(w.clone()))));
+    principals
+        .extend(args.operators.iter().map(|o| (format!("operator-{o}"), Principal::Operator(o.clone()))));
+    for (file, principal) in principals {
+        let issued = ca.issue(&principal, &args.hosts, Default::default())?;
+        let cert = args.dir.join(format!("{file}.pem"));
+        std::fs::write(&cert, &issued.cert_pem).with_context(|| format!("writing {}", cert.display()))?;
+        write_private(&args.dir.join(format!("{file}-key.pem")), &issued.key_pem)?;
+        println!("{} {principal}", cert.display());
+    }
+    Ok(())
+}
+
+/// Writes a private key readable by its owner only.
+fn write_private(path: &std::path::Path, pem: &str) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    file.write_all(pem.as_bytes()).with_context(|| format!("writing {}", path.display()))
 }
 
 async fn serve(args: ServeArgs) -> Result<()> {
@@ -333,6 +415,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.dial_from = args.dial_from;
     config.keep_whole_log = args.keep_whole_log;
     config.max_streams = args.max_streams;
+    config.tls = match (&args.tls_ca, &args.tls_cert, &args.tls_key) {
+        (Some(ca), Some(cert), Some(key)) => Some(tenure::tls::NodeTls::from_files(ca, cert, key)?),
+        _ if args.insecure => {
+            tracing::warn!("--insecure: peers are served in plain text; anyone who reaches the peer port can speak Raft");
+            None
+        }
+        _ => bail!("give the node its TLS material (--tls-ca, --tls-cert, --tls-key; `tenure certs` makes a development set), or --insecure to run without"),
+    };
     config.validate()?;
     if let Some(addr) = args.metrics_listen {
         metrics_exporter_prometheus::PrometheusBuilder::new()

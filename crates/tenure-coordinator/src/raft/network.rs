@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tenure_worker::transport::Dialer;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Channel, ClientTlsConfig, Endpoint};
 
 /// Largest Raft message a node sends or accepts.
 pub const MAX_RAFT_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
@@ -37,14 +37,16 @@ pub struct Network {
     /// Source address of connections to peers, when the node is told to dial from one.
     pub dial_from: Option<std::net::IpAddr>,
     dialer: Dialer,
+    /// Set when peers are dialled over TLS (see [`crate::tls::NodeTls::peer_client`]).
+    tls: Option<ClientTlsConfig>,
     /// Ordered, not hashed: dropping the cache closes the connections in its order, and the
     /// whole-stack simulation replays a seed only if that order is the same in every process.
     channels: Arc<Mutex<BTreeMap<String, Channel>>>,
 }
 
 impl Network {
-    pub fn new(dial_from: Option<std::net::IpAddr>, dialer: Dialer) -> Network {
-        Network { dial_from, dialer, channels: Arc::default() }
+    pub fn new(dial_from: Option<std::net::IpAddr>, dialer: Dialer, tls: Option<ClientTlsConfig>) -> Network {
+        Network { dial_from, dialer, tls, channels: Arc::default() }
     }
 
     fn channel(&self, addr: &str) -> Result<Channel, String> {
@@ -52,8 +54,13 @@ impl Network {
         if let Some(channel) = channels.get(addr) {
             return Ok(channel.clone());
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| format!("bad address {addr:?}: {e}"))?
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| format!("bad address {addr:?}: {e}"))?;
+        if let Some(tls) = &self.tls {
+            endpoint = endpoint.tls_config(tls.clone()).map_err(|e| format!("TLS for {addr:?}: {e}"))?;
+        }
+        let endpoint = endpoint
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
             // A connection that stops carrying anything (its peer's host died without a reset,

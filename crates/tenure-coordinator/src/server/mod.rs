@@ -79,6 +79,10 @@ pub struct NodeConfig {
     pub max_streams: usize,
     /// How this node connects to its peers; TCP unless a simulation says otherwise.
     pub dialer: tenure_worker::transport::Dialer,
+    /// The cluster CA and this node's certificate: the peer listener then requires a node's
+    /// certificate from that CA, and peers are dialled over TLS. `None` runs the peer side in
+    /// plain text, which anyone who reaches the peer port can then speak.
+    pub tls: Option<crate::tls::NodeTls>,
 }
 
 /// How often the server pings an HTTP/2 connection, and how long it waits for the answer.
@@ -105,6 +109,7 @@ impl NodeConfig {
             keep_whole_log: false,
             max_streams: 100_000,
             dialer: tenure_worker::transport::Dialer::tcp(),
+            tls: None,
         }
     }
 
@@ -389,7 +394,7 @@ where
     let raft = Raft::new(
         config.id,
         Arc::new(raft_config(&config)?),
-        Network::new(config.dial_from, config.dialer.clone()),
+        Network::new(config.dial_from, config.dialer.clone(), config.tls.as_ref().map(|t| t.peer_client())),
         log_store,
         sm.clone(),
     )
@@ -426,11 +431,20 @@ where
     let transport = RaftTransportServer::new(raft_service::RaftService::new(raft))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
+    let peer_tls = node.config.tls.as_ref().map(|t| t.peer_server());
+    let transport = tonic::service::interceptor::InterceptedService::new(
+        transport,
+        crate::tls::admit_peer(peer_tls.is_some()),
+    );
+    let mut peer_server = tonic::transport::Server::builder();
+    if let Some(tls) = peer_tls {
+        peer_server = peer_server.tls_config(tls).map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?;
+    }
     // Peers reach the Raft transport only on their listener, clients the worker-facing API only
     // on theirs: a client connection cannot carry a `Vote` or an `AppendEntries`.
     let shutdown = cancel.clone();
     tasks.push(tokio::spawn(async move {
-        let result = tonic::transport::Server::builder()
+        let result = peer_server
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(transport)

@@ -38,6 +38,13 @@ pub struct ServeSettings {
 pub enum ProcessError {
     #[error("{what}: {source}")]
     Io { what: String, source: std::io::Error },
+    #[error("{what}: {source}")]
+    Certificate { what: String, source: crate::certs::CertError },
+}
+
+fn cert_err(what: impl Into<String>) -> impl FnOnce(crate::certs::CertError) -> ProcessError {
+    let what = what.into();
+    move |source| ProcessError::Certificate { what, source }
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProcessError {
@@ -111,6 +118,20 @@ impl ProcessCluster {
             cluster.proxies.insert(id, proxy);
             cluster.listen.insert(id, listen);
         }
+        // A throw-away CA for the run; each node gets its certificate as files, as an operator
+        // would give them.
+        let ca = crate::certs::DevCa::new("tenure nemesis CA").map_err(cert_err("making the run's CA"))?;
+        std::fs::write(dir.join("ca.pem"), ca.ca_pem()).map_err(io("writing the CA"))?;
+        for id in 1..=n {
+            let hosts = ["127.0.0.1".to_string(), node_ip(id).to_string()];
+            let issued = ca
+                .issue(&crate::tls::Principal::Node(id), &hosts, Default::default())
+                .map_err(cert_err("issuing a node certificate"))?;
+            std::fs::write(dir.join(format!("node-{id}.pem")), issued.cert_pem)
+                .map_err(io("writing a certificate"))?;
+            std::fs::write(dir.join(format!("node-{id}-key.pem")), issued.key_pem)
+                .map_err(io("writing a key"))?;
+        }
         for id in 1..=n {
             cluster.spawn(id)?;
         }
@@ -145,6 +166,12 @@ impl ProcessCluster {
             .args(["--dial-from", &node_ip(id).to_string()])
             .arg("--keep-whole-log")
             .args(["--placement-ring-seed", &self.rules(id).to_string()])
+            .arg("--tls-ca")
+            .arg(self.dir.join("ca.pem"))
+            .arg("--tls-cert")
+            .arg(self.dir.join(format!("node-{id}.pem")))
+            .arg("--tls-key")
+            .arg(self.dir.join(format!("node-{id}-key.pem")))
             .env("RUST_LOG", "info,openraft=warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

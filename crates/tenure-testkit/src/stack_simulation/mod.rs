@@ -293,8 +293,12 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
             (*id, Member { peer_addr, client_addr })
         })
         .collect();
+    let ca = crate::certs::DevCa::new("tenure simulation CA").map_err(|e| SimError::Setup(e.to_string()))?;
     for id in &ids {
-        add_node(&mut sim, config, *id, &peers, dir.join(node_name(*id)), &shared);
+        // Peers speak mutual TLS here as in production; the handshake's randomness changes
+        // bytes on the wire, never their sizes or order, so a seed still replays.
+        let tls = ca.node_tls(*id, &[node_name(*id)]).map_err(|e| SimError::Setup(e.to_string()))?;
+        add_node(&mut sim, config, *id, &peers, tls, dir.join(node_name(*id)), &shared);
     }
     let store = Arc::new(JournaledStore::new(config.fencing));
     let pauses: Vec<Arc<Mutex<Option<Duration>>>> = (0..config.workers).map(|_| Arc::default()).collect();
@@ -376,10 +380,12 @@ fn add_node(
     config: &SimConfig,
     id: NodeId,
     peers: &BTreeMap<NodeId, Member>,
+    tls: crate::tls::NodeTls,
     data_dir: PathBuf,
     shared: &Shared,
 ) {
     let mut node_config = NodeConfig::new(id, peers.clone(), data_dir);
+    node_config.tls = Some(tls);
     node_config.partition_count = config.partition_count;
     node_config.lease_ttl = config.lease_ttl;
     node_config.election_timeout = config.election_timeout + config.election_timeout / 5 * (id as u32 - 1);
