@@ -352,23 +352,19 @@ fn the_binary_rejects_garbage_flags_with_a_clear_message() {
     let out = run(&["serve", "--id", "2", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not in --peers"));
+    // `serve` for node 1 of a one-node cluster, with `extra` flags.
+    let serve = |extra: &[&str]| {
+        let mut args = vec!["serve", "--id", "1", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"];
+        args.extend_from_slice(extra);
+        run(&args)
+    };
     // No TLS material and no --insecure: refused, naming both ways out.
-    let out = run(&["serve", "--id", "1", "--peers", "1=127.0.0.1:1/127.0.0.1:2", "--data-dir", "x"]);
+    let out = serve(&[]);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--tls-ca") && err.contains("--insecure"), "{err}");
     // Half the TLS material is not enough.
-    let out = run(&[
-        "serve",
-        "--id",
-        "1",
-        "--peers",
-        "1=127.0.0.1:1/127.0.0.1:2",
-        "--data-dir",
-        "x",
-        "--tls-ca",
-        "ca.pem",
-    ]);
+    let out = serve(&["--tls-ca", "ca.pem"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--tls-cert"));
     // Files that do not hold what they should are named.
@@ -376,21 +372,7 @@ fn the_binary_rejects_garbage_flags_with_a_clear_message() {
     let junk = dir.path().join("junk.pem");
     std::fs::write(&junk, "not PEM").unwrap();
     let junk = junk.to_str().unwrap();
-    let out = run(&[
-        "serve",
-        "--id",
-        "1",
-        "--peers",
-        "1=127.0.0.1:1/127.0.0.1:2",
-        "--data-dir",
-        "x",
-        "--tls-ca",
-        junk,
-        "--tls-cert",
-        junk,
-        "--tls-key",
-        junk,
-    ]);
+    let out = serve(&["--tls-ca", junk, "--tls-cert", junk, "--tls-key", junk]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("holds no PEM certificate"));
 }
