@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use tenure::fence::{FenceStore, MemoryFence};
 use tenure::ids::{FencingToken, PartitionId};
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{PartitionHandle, Worker, WorkerConfig, WorkerEvent};
+use tenure::worker::{PartitionHandle, Worker, WorkerEvent};
 
 const TTL: Duration = Duration::from_millis(1000);
 const KEY: &[u8] = b"account-42";
@@ -88,7 +88,7 @@ async fn run(fencing: bool) -> Result<String> {
         fenced: MemoryFence::default(),
     };
 
-    let mut a = Worker::join(WorkerConfig::new(cluster.addrs(), "A")).await?;
+    let mut a = Worker::join(cluster.worker_config("A")).await?;
     let a_handle = first_assignment(&mut a).await?;
     if fencing {
         a_handle.acquire(&story.fenced).await?;
@@ -103,7 +103,7 @@ async fn run(fencing: bool) -> Result<String> {
         a_handle.token()
     );
 
-    let mut b = Worker::join(WorkerConfig::new(cluster.addrs(), "B")).await?;
+    let mut b = Worker::join(cluster.worker_config("B")).await?;
     let b_handle = first_assignment(&mut b).await?;
     println!(
         "t={:5.2}s B granted the partition with token={} ({:.2}s after A paused)",

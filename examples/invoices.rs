@@ -365,9 +365,9 @@ struct Biller {
     /// `None` once the worker froze: its heartbeats stopped with it.
     worker: Option<Worker>,
     events: UnboundedReceiver<WorkerEvent>,
-    /// Where to join again if the coordinator ends the session (say, the machine stalled for
+    /// How to join again if the coordinator ends the session (say, the machine stalled for
     /// longer than the TTL), as any long-running application must.
-    coordinators: Vec<String>,
+    config: WorkerConfig,
     /// Partitions assigned and not yet lost or released.
     held: Arc<AtomicU64>,
     ledger: Ledger,
@@ -446,7 +446,7 @@ impl Biller {
     async fn rejoin(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         while Instant::now() < deadline {
-            match Worker::join(WorkerConfig::new(self.coordinators.clone(), self.name.clone())).await {
+            match Worker::join(self.config.clone()).await {
                 Ok(mut worker) => {
                     self.events = worker.events();
                     self.worker = Some(worker);
@@ -605,11 +605,12 @@ async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
     let mut owned = Vec::new();
     for i in 0..3 {
         let name = format!("w{}", i + 1);
-        let mut worker = Worker::join(WorkerConfig::new(cluster.addrs(), name.clone())).await?;
+        let config = cluster.worker_config(&name);
+        let mut worker = Worker::join(config.clone()).await?;
         let biller = Biller {
             name,
             events: worker.events(),
-            coordinators: cluster.addrs(),
+            config,
             held: Arc::new(AtomicU64::new(0)),
             worker: Some(worker),
             ledger: backend.ledger().await?,

@@ -5,7 +5,6 @@ mod common;
 
 use common::*;
 use tenure::proto;
-use tenure::proto::coordinator_client::CoordinatorClient;
 use tenure::proto::peer::raft_transport_client::RaftTransportClient;
 use tenure::proto::peer::RaftPayload;
 use tenure::server::{NodeConfig, ERROR_METADATA};
@@ -22,7 +21,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     let w = worker(&c, "w1").await;
     let before = settled(&c, 1).await;
     let leader = c.leader().unwrap();
-    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let mut client = api_client(&c, leader).await;
 
     let err = client
         .heartbeat(proto::HeartbeatRequest { session_id: 999, secret: "x".into(), ..Default::default() })
@@ -127,7 +126,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
 
     // A follower points at the leader.
     let follower = (1..=3).find(|id| *id != leader).unwrap();
-    let mut on_follower = CoordinatorClient::connect(format!("http://{}", c.addr(follower))).await.unwrap();
+    let mut on_follower = api_client(&c, follower).await;
     let err = on_follower.join(proto::JoinRequest { name: "w9".into(), weight: 1 }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::Unavailable, "not_leader"));
     let hinted = err.metadata().get(tenure::server::LEADER_METADATA).unwrap().to_str().unwrap();
@@ -150,7 +149,7 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
     .await
     .unwrap();
     let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
-    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let mut client = api_client(&c, leader).await;
     // Ownership and route streams share one budget, heartbeat streams have their own, so
     // subscribers cannot crowd out renewals.
     let routes = [
@@ -198,7 +197,7 @@ async fn a_silent_heartbeat_stream_is_ended_after_two_ttls() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
     let leader = c.leader().unwrap();
-    let mut client = CoordinatorClient::connect(format!("http://{}", c.addr(leader))).await.unwrap();
+    let mut client = api_client(&c, leader).await;
     let (_keep_open, rx) = tokio::sync::mpsc::channel::<proto::HeartbeatRequest>(1);
     let opened = std::time::Instant::now();
     let mut answers =
@@ -213,7 +212,7 @@ async fn a_silent_heartbeat_stream_is_ended_after_two_ttls() {
 async fn worker_timings_that_cannot_keep_a_lease_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let mut config = tenure::worker::WorkerConfig::new(c.addrs(), "w1");
+    let mut config = c.worker_config("w1");
     config.heartbeat_interval = Some(std::time::Duration::ZERO);
     let err = tenure::worker::Worker::join(config.clone()).await.err().expect("refused");
     assert!(matches!(err, tenure::worker::ClientError::InvalidArgument(_)), "{err:?}");
@@ -230,7 +229,7 @@ async fn worker_timings_that_cannot_keep_a_lease_are_refused() {
 }
 
 /// Peers and clients are served on different listeners: a client that reaches a node's client
-/// address cannot speak Raft there. A forged `Vote` with a far higher term (which would depose
+/// address (with a worker's certificate) cannot speak Raft there. A forged `Vote` with a far higher term (which would depose
 /// the leader if a node took it in) and a forged `AppendEntries` are refused as unknown
 /// methods, and the leader keeps its term.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,7 +240,14 @@ async fn raft_messages_on_the_client_listener_are_refused() {
     let metrics = || c.node(leader).expect("the leader runs").raft().metrics().borrow().clone();
     let before = metrics();
     for id in c.ids() {
-        let mut raft = RaftTransportClient::connect(format!("http://{}", c.addr(id))).await.unwrap();
+        // A worker's certificate gets it through the client listener's handshake; the listener
+        // still has no Raft to offer it.
+        let tls = c.client_tls(&tenure::tls::Principal::Worker("w1".into())).unwrap();
+        let endpoint = tonic::transport::Endpoint::from_shared(format!("https://{}", c.addr(id)))
+            .unwrap()
+            .tls_config(tls.config())
+            .unwrap();
+        let mut raft = RaftTransportClient::new(endpoint.connect().await.unwrap());
         let vote = openraft::raft::VoteRequest::<u64> {
             vote: openraft::Vote::new(before.current_term + 1000, id),
             last_log_id: before.last_log_index.map(|i| {

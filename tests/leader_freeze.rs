@@ -9,7 +9,7 @@ use common::*;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tenure::nemesis::{ProcessCluster, ServeSettings};
-use tenure::worker::{LostReason, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
+use tenure::worker::{LostReason, PartitionHandle, Worker, WorkerEvent};
 use tokio::time::Instant;
 
 type Events = tokio::sync::mpsc::UnboundedReceiver<WorkerEvent>;
@@ -27,10 +27,11 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
         lease_ttl: LEASE,
         election_timeout: Duration::from_millis(300),
         snapshot_after_logs: 1000,
+        insecure: false,
     };
     let mut c = ProcessCluster::start(3, dir.path(), settings).await.expect("three serve processes");
     c.wait_for_leader(PATIENCE).await.expect("a leader");
-    let mut w = Worker::join(WorkerConfig::new(c.addrs(), "w1")).await.expect("joins");
+    let mut w = Worker::join(c.worker_config("w1")).await.expect("joins");
     let mut events = w.events();
     let mut handles: BTreeMap<u32, PartitionHandle> = BTreeMap::new();
     let until = Instant::now() + PATIENCE;

@@ -50,7 +50,7 @@ async fn only_a_node_certificate_from_the_cluster_ca_may_speak_raft() {
     for (what, mut client) in refused_at_handshake {
         let err = client.vote(forged_vote(before + 1000, 2)).await.unwrap_err();
         assert!(
-            matches!(err.code(), Code::Unavailable | Code::Unknown | Code::Internal),
+            matches!(err.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled),
             "{what}: {:?} {}",
             err.code(),
             err.message()

@@ -3,9 +3,10 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use tenure::worker::{Worker, WorkerConfig};
+use tenure::worker::{ClientTls, Worker, WorkerConfig};
 
 const BIN: &str = env!("CARGO_BIN_EXE_tenure");
 
@@ -34,8 +35,19 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
     Some(body)
 }
 
-fn ctl_status(coordinators: &str) -> Option<String> {
-    let out = Command::new(BIN).args(["ctl", "--coordinators", coordinators, "status"]).output().ok()?;
+/// `tenure ctl status` as the operator `ops` whose certificate is in `certs`.
+fn ctl_status(coordinators: &str, certs: &Path) -> Option<String> {
+    let out = Command::new(BIN)
+        .args(["ctl", "--coordinators", coordinators])
+        .arg("--tls-ca")
+        .arg(certs.join("ca.pem"))
+        .arg("--tls-cert")
+        .arg(certs.join("operator-ops.pem"))
+        .arg("--tls-key")
+        .arg(certs.join("operator-ops-key.pem"))
+        .arg("status")
+        .output()
+        .ok()?;
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
@@ -65,8 +77,12 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
         .join(",");
     // The operator's development certificates, as the README's quickstart makes them.
     let certs = dir.path().join("certs");
-    let made =
-        Command::new(BIN).args(["certs", "--dir"]).arg(&certs).args(["--nodes", "3"]).output().unwrap();
+    let made = Command::new(BIN)
+        .args(["certs", "--dir"])
+        .arg(&certs)
+        .args(["--nodes", "3", "--workers", "proc-worker", "--operators", "ops"])
+        .output()
+        .unwrap();
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     let mut children = Processes(Vec::new());
     for (i, metrics_port) in metrics.iter().enumerate() {
@@ -91,16 +107,36 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     }
     let coordinators = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
     let status = until("a leader and a configured table", || {
-        ctl_status(&coordinators).filter(|s| s.contains("16 partitions") && !s.contains("leader: node 0"))
+        ctl_status(&coordinators, &certs)
+            .filter(|s| s.contains("16 partitions") && !s.contains("leader: node 0"))
     });
     assert!(status.contains("nodes: 1=127.0.0.1:"), "{status}");
+    // Without a certificate, ctl gets nothing: it must say how to give one, or be told
+    // --insecure, which this cluster refuses at the handshake.
+    let bare = Command::new(BIN).args(["ctl", "--coordinators", &coordinators, "status"]).output().unwrap();
+    assert!(!bare.status.success());
+    assert!(String::from_utf8_lossy(&bare.stderr).contains("--tls-ca"), "{bare:?}");
+    let plain = Command::new(BIN)
+        .args(["ctl", "--coordinators", &coordinators, "--insecure", "status"])
+        .output()
+        .unwrap();
+    assert!(!plain.status.success(), "a plain-text client is refused: {plain:?}");
 
     // A worker joins through the library; ctl then shows it owning all 16 partitions.
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let addrs: Vec<String> = coordinators.split(',').map(str::to_string).collect();
-    let worker = runtime.block_on(Worker::join(WorkerConfig::new(addrs, "proc-worker"))).unwrap();
+    let mut config = WorkerConfig::new(addrs, "proc-worker");
+    config.tls = Some(
+        ClientTls::from_files(
+            &certs.join("ca.pem"),
+            &certs.join("worker-proc-worker.pem"),
+            &certs.join("worker-proc-worker-key.pem"),
+        )
+        .unwrap(),
+    );
+    let worker = runtime.block_on(Worker::join(config)).unwrap();
     let status = until("the worker owns every partition", || {
-        ctl_status(&coordinators).filter(|s| s.contains("owns 16"))
+        ctl_status(&coordinators, &certs).filter(|s| s.contains("owns 16"))
     });
     assert!(status.contains("proc-worker"), "{status}");
 

@@ -57,8 +57,16 @@ async fn a_frozen_worker_process_is_fenced_out_when_it_wakes() {
     .unwrap();
     c.wait_for_leader(PATIENCE).await.unwrap();
 
+    let principal = tenure::tls::Principal::Worker("A".into());
+    let [ca, cert, key] = c.ca().write_client_files(dir.path(), "worker-A", &principal).unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_tenure"))
         .args(["work", "--coordinators", &c.addrs().join(","), "--name", "A", "--postgres", &pg_a])
+        .arg("--tls-ca")
+        .arg(ca)
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

@@ -129,7 +129,7 @@ async fn a_fencing_rejection_reports_the_partition_lost() {
 async fn the_router_follows_the_table_for_any_key() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
-    let router = tenure::worker::Router::connect(c.addrs()).unwrap();
+    let router = tenure::worker::Router::follow(c.client());
     let (w1, w2) = (worker(&c, "w1").await, worker(&c, "w2").await);
     let status = settled(&c, 2).await;
     let space = tenure::keyspace::KeySpace::new(status.partition_count).unwrap();

@@ -12,7 +12,6 @@ pub(crate) struct Observed {
 
 /// Workers that release at once when asked and write once to the fenced store when assigned.
 pub(crate) struct Fleet {
-    pub(crate) addrs: Vec<String>,
     pub(crate) workers: BTreeMap<String, Arc<Worker>>,
     pub(crate) observed: Arc<Mutex<Observed>>,
     pub(crate) store: Arc<MemoryFence>,
@@ -22,12 +21,11 @@ pub(crate) struct Fleet {
 /// of a partition, raises its fence and writes once; `told` hears of every grant with when it
 /// was told and when its first write was accepted.
 pub(crate) async fn bench_worker(
-    addrs: Vec<String>,
-    name: String,
+    config: WorkerConfig,
     store: Arc<MemoryFence>,
     told: impl Fn(PartitionId, FencingToken, Instant, Option<Instant>) + Send + 'static,
 ) -> Result<Arc<Worker>> {
-    let mut worker = Worker::join(WorkerConfig::new(addrs, name)).await?;
+    let mut worker = Worker::join(config).await?;
     let mut events = worker.events();
     let worker = Arc::new(worker);
     let me = Arc::downgrade(&worker);
@@ -59,31 +57,23 @@ pub(crate) async fn bench_worker(
 }
 
 impl Fleet {
-    pub(crate) fn new(cluster: &LocalCluster) -> Fleet {
-        Fleet {
-            addrs: cluster.addrs(),
-            workers: BTreeMap::new(),
-            observed: Default::default(),
-            store: Default::default(),
-        }
+    pub(crate) fn new() -> Fleet {
+        Fleet { workers: BTreeMap::new(), observed: Default::default(), store: Default::default() }
     }
 
-    pub(crate) async fn join(&mut self, name: &str) -> Result<()> {
-        let (observed, who) = (self.observed.clone(), name.to_string());
-        let worker = bench_worker(
-            self.addrs.clone(),
-            who.clone(),
-            self.store.clone(),
-            move |p, token, told, wrote| {
-                let mut observed = observed.lock().unwrap();
-                observed.told.insert((p, token), (who.clone(), told));
-                if let Some(wrote) = wrote {
-                    observed.wrote.insert((p, token), wrote);
-                }
-            },
-        )
+    /// Joins a worker with `config` (its name, its certificate).
+    pub(crate) async fn join(&mut self, config: WorkerConfig) -> Result<()> {
+        let (observed, who) = (self.observed.clone(), config.name.clone());
+        let name = who.clone();
+        let worker = bench_worker(config, self.store.clone(), move |p, token, told, wrote| {
+            let mut observed = observed.lock().unwrap();
+            observed.told.insert((p, token), (who.clone(), told));
+            if let Some(wrote) = wrote {
+                observed.wrote.insert((p, token), wrote);
+            }
+        })
         .await?;
-        self.workers.insert(name.to_string(), worker);
+        self.workers.insert(name, worker);
         Ok(())
     }
 
@@ -171,7 +161,22 @@ impl Fleet {
 }
 
 pub(crate) async fn cluster(dir: &std::path::Path, partitions: u32, ttl: Duration) -> Result<LocalCluster> {
+    cluster_with(dir, partitions, ttl, true).await
+}
+
+/// Like [`cluster`]; `tls: false` serves peers and clients in plain text, for benchmarks whose
+/// thousands of sessions share a few connections (a worker certificate names one worker) and
+/// whose etcd baseline runs without TLS too.
+pub(crate) async fn cluster_with(
+    dir: &std::path::Path,
+    partitions: u32,
+    ttl: Duration,
+    tls: bool,
+) -> Result<LocalCluster> {
     let cluster = LocalCluster::start(3, dir, |c| {
+        if !tls {
+            c.tls = None;
+        }
         c.partition_count = partitions;
         c.lease_ttl = ttl;
         c.election_timeout = Duration::from_millis(300);

@@ -21,15 +21,15 @@ pub(crate) async fn commit_floor(cluster: &LocalCluster, n: usize) -> Result<Sam
 pub(crate) async fn join_and_leave(table: &mut Table, partitions: u32) -> Result<(Sample, Sample)> {
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
-    let mut fleet = Fleet::new(&cluster);
+    let mut fleet = Fleet::new();
     for n in 1..=4 {
-        fleet.join(&format!("w{n}")).await?;
+        fleet.join(cluster.worker_config(&format!("w{n}"))).await?;
     }
     fleet.settle(&cluster, partitions).await?;
 
     // Join: the decision is the Join entry (it marks the moves); then each old owner releases.
     let start = Instant::now();
-    fleet.join("w5").await?;
+    fleet.join(cluster.worker_config("w5")).await?;
     let decided = Instant::now();
     fleet.settle(&cluster, partitions).await?;
     let moves: Vec<_> = fleet.moves_since(start).into_iter().filter(|(who, _, _)| who == "w5").collect();
@@ -114,7 +114,7 @@ pub(crate) async fn planned_moves(table: &mut Table, rounds: usize) -> Result<Sa
     let (told_tx, mut told_rx) = tokio::sync::mpsc::unbounded_channel();
     let start_worker = |name: String| {
         let told_tx = told_tx.clone();
-        bench_worker(cluster.addrs(), name, store.clone(), move |p, _, told, wrote| {
+        bench_worker(cluster.worker_config(&name), store.clone(), move |p, _, told, wrote| {
             let _ = told_tx.send((p, told, wrote));
         })
     };
@@ -163,9 +163,9 @@ pub(crate) async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<S
     let partitions = 256;
     let dir = tempfile::tempdir()?;
     let cluster = cluster(dir.path(), partitions, ttl).await?;
-    let mut fleet = Fleet::new(&cluster);
+    let mut fleet = Fleet::new();
     for n in 1..=4 {
-        fleet.join(&format!("w{n}")).await?;
+        fleet.join(cluster.worker_config(&format!("w{n}"))).await?;
     }
     fleet.settle(&cluster, partitions).await?;
     let victim = fleet.workers.remove("w4").context("w4")?;
@@ -197,7 +197,7 @@ pub(crate) async fn leader_loss(table: &mut Table, trials: usize) -> Result<()> 
     let partitions = 256;
     let dir = tempfile::tempdir()?;
     let mut cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
-    let client = Client::new(cluster.addrs())?;
+    let client = cluster.client();
     let joined = client
         .call(|mut c| async move { c.join(proto::JoinRequest { name: "probe".into(), weight: 1 }).await })
         .await?;
@@ -226,7 +226,7 @@ pub(crate) async fn leader_loss(table: &mut Table, trials: usize) -> Result<()> 
                 break start.elapsed();
             }
         });
-        let fresh = Worker::join(WorkerConfig::new(cluster.addrs(), format!("after-{trial}"))).await?;
+        let fresh = Worker::join(cluster.worker_config(&format!("after-{trial}"))).await?;
         granted.push(start.elapsed());
         fresh.abandon();
         cluster.restart(leader).await?;

@@ -22,10 +22,10 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
     let label = format!("P={partitions}, {sessions} sessions joining at once");
     let dir = tempfile::tempdir()?;
     let ttl = Duration::from_secs(5);
-    let cluster = cluster(dir.path(), partitions, ttl).await?;
-    let clients: Vec<Client> = (0..sessions.div_ceil(SESSIONS_PER_CLIENT))
-        .map(|_| Client::new(cluster.addrs()))
-        .collect::<Result<_, _>>()?;
+    // Plain text: 500 sessions share each client here (a worker certificate names one worker).
+    let cluster = cluster_with(dir.path(), partitions, ttl, false).await?;
+    let clients: Vec<Client> =
+        (0..sessions.div_ceil(SESSIONS_PER_CLIENT)).map(|_| cluster.client()).collect();
     let renewed: Renewed = Arc::default();
     let stop = Arc::new(AtomicBool::new(false));
     let tasks: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();

@@ -9,7 +9,7 @@ use tenure::local_cluster::is_settled;
 use tenure::local_cluster::LocalCluster;
 use tenure::proto::StatusResponse;
 use tenure::server::NodeConfig;
-use tenure::worker::{Worker, WorkerConfig};
+use tenure::worker::Worker;
 
 pub const TTL: Duration = Duration::from_millis(1000);
 /// Generous bound for anything the tests await; never a speed assertion.
@@ -38,7 +38,7 @@ pub async fn cluster(dir: &std::path::Path) -> LocalCluster {
 }
 
 pub async fn worker(c: &LocalCluster, name: &str) -> Worker {
-    Worker::join(WorkerConfig::new(c.addrs(), name)).await.expect("worker joins")
+    Worker::join(c.worker_config(name)).await.expect("worker joins")
 }
 
 /// Polls `check` until it returns `Some`, or panics after [`PATIENCE`].
@@ -110,6 +110,32 @@ pub fn tokens(status: &StatusResponse) -> BTreeMap<u32, (u64, u64)> {
     status.partitions.iter().map(|r| (r.partition, (r.owner, r.token))).collect()
 }
 
+/// A client of the worker API on node `id`'s client listener, holding a certificate of the
+/// cluster's CA that names `principal` (plain text on a cluster made insecure).
+pub async fn api_client_as(
+    c: &LocalCluster,
+    id: tenure::ids::NodeId,
+    principal: &tenure::tls::Principal,
+) -> tenure::proto::coordinator_client::CoordinatorClient<tonic::transport::Channel> {
+    let endpoint = match c.client_tls(principal) {
+        Some(tls) => tonic::transport::Endpoint::from_shared(format!("https://{}", c.addr(id)))
+            .unwrap()
+            .tls_config(tls.config())
+            .unwrap(),
+        None => tonic::transport::Endpoint::from_shared(format!("http://{}", c.addr(id))).unwrap(),
+    };
+    let channel = endpoint.connect().await.expect("connects to the node");
+    tenure::proto::coordinator_client::CoordinatorClient::new(channel)
+}
+
+/// An operator's client of the worker API on node `id`.
+pub async fn api_client(
+    c: &LocalCluster,
+    id: tenure::ids::NodeId,
+) -> tenure::proto::coordinator_client::CoordinatorClient<tonic::transport::Channel> {
+    api_client_as(c, id, &tenure::tls::Principal::Operator("test".into())).await
+}
+
 /// A client of its own speaking the public API to the leader, and the session it joined under
 /// `name`: for tests of what callers other than the worker library can do.
 pub async fn raw_join(
@@ -120,10 +146,7 @@ pub async fn raw_join(
     tenure::proto::JoinResponse,
 ) {
     let leader = c.leader().expect("a leader");
-    let mut client =
-        tenure::proto::coordinator_client::CoordinatorClient::connect(format!("http://{}", c.addr(leader)))
-            .await
-            .expect("connects to the leader");
+    let mut client = api_client_as(c, leader, &tenure::tls::Principal::Worker(name.into())).await;
     let request = tenure::proto::JoinRequest { name: name.into(), weight: 1 };
     let joined = client.join(request).await.expect("joins").into_inner();
     (client, joined)

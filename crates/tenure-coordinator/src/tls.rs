@@ -8,8 +8,13 @@
 //! connection without one never reaches gRPC), and then admits only a `node` principal: a
 //! worker's certificate, although issued by the same CA, cannot speak Raft.
 //!
-//! The invariant kept here: a Raft message is decoded only after the connection it came on
-//! proved, with a key the CA certified, that it belongs to a node of the cluster.
+//! The client listener requires a certificate from the same CA, and admits a `worker` or an
+//! `operator`. The principal rides along with each request ([`Caller`]), so the service can
+//! check that a worker joins only under its own name and acts only on its own sessions.
+//!
+//! The invariants kept here: a Raft message is decoded only after the connection it came on
+//! proved, with a key the CA certified, that it belongs to a node of the cluster; a worker API
+//! call is decoded only after its connection proved a worker's or an operator's name.
 
 use crate::ids::NodeId;
 use std::path::Path;
@@ -112,9 +117,9 @@ impl NodeTls {
         Ok(tls)
     }
 
-    /// The peer listener's side: this node's identity, and a certificate from the cluster's CA
-    /// required of every connection.
-    pub fn peer_server(&self) -> ServerTlsConfig {
+    /// A listener's side (both of them): this node's identity, and a certificate from the
+    /// cluster's CA required of every connection.
+    pub fn server(&self) -> ServerTlsConfig {
         ServerTlsConfig::new()
             .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
             .client_ca_root(Certificate::from_pem(&self.ca_pem))
@@ -183,6 +188,54 @@ pub fn admit_peer(
     }
 }
 
+/// Who made a request on the client listener, as the gate found it: `None` on an insecure
+/// cluster, where nobody is authenticated and every check on names is skipped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Caller(pub Option<Principal>);
+
+impl Caller {
+    /// The caller of a request that passed [`admit_client`]; `Caller(None)` if none did (a
+    /// service called directly, without the gate, in a unit test).
+    pub fn of<T>(request: &tonic::Request<T>) -> Caller {
+        request.extensions().get::<Caller>().cloned().unwrap_or(Caller(None))
+    }
+
+    /// May this caller act as the worker named `name` (join under it, renew, release or leave
+    /// its sessions)? Only that worker may; operators and other workers may not.
+    pub fn may_act_as(&self, name: &str) -> Result<(), String> {
+        match &self.0 {
+            None => Ok(()),
+            Some(Principal::Worker(own)) if own == name => Ok(()),
+            Some(other) => Err(format!("{other} may not act as worker {name:?}")),
+        }
+    }
+}
+
+/// The client listener's gate, run on each request's headers before its message is decoded:
+/// a worker or an operator may call, a node (or a certificate naming nobody) may not. The
+/// principal it found is attached to the request as a [`Caller`]. Without TLS everyone may.
+pub fn admit_client(
+    tls: bool,
+) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Clone {
+    move |mut request: tonic::Request<()>| {
+        if !tls {
+            request.extensions_mut().insert(Caller(None));
+            return Ok(request);
+        }
+        match caller(&request) {
+            Some(Ok(p @ (Principal::Worker(_) | Principal::Operator(_)))) => {
+                request.extensions_mut().insert(Caller(Some(p)));
+                Ok(request)
+            }
+            Some(Ok(other)) => Err(tonic::Status::permission_denied(format!(
+                "{other} may not call the worker API: only workers and operators may"
+            ))),
+            Some(Err(e)) => Err(tonic::Status::unauthenticated(e.to_string())),
+            None => Err(tonic::Status::unauthenticated("no client certificate on a client connection")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,5 +250,15 @@ mod tests {
         {
             assert_eq!(Principal::from_uri(bad), None, "{bad}");
         }
+    }
+
+    #[test]
+    fn only_the_named_worker_may_act_as_it() {
+        assert!(Caller(None).may_act_as("w1").is_ok());
+        assert!(Caller(Some(Principal::Worker("w1".into()))).may_act_as("w1").is_ok());
+        assert!(Caller(Some(Principal::Worker("w2".into()))).may_act_as("w1").is_err());
+        assert!(Caller(Some(Principal::Worker("w".into()))).may_act_as("w1").is_err());
+        assert!(Caller(Some(Principal::Operator("w1".into()))).may_act_as("w1").is_err());
+        assert!(Caller(Some(Principal::Node(1))).may_act_as("w1").is_err());
     }
 }

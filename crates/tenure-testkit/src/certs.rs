@@ -7,10 +7,12 @@
 
 use crate::ids::NodeId;
 use crate::tls::{NodeTls, Principal};
+use crate::worker::ClientTls;
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose, SanType,
 };
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Why a certificate could not be made.
@@ -116,5 +118,33 @@ impl DevCa {
             cert_pem: issued.cert_pem.into_bytes(),
             key_pem: issued.key_pem.into_bytes(),
         })
+    }
+
+    /// A worker's or an operator's TLS material (a client certificate only: no hosts).
+    pub fn client_tls(&self, principal: &Principal) -> Result<ClientTls, CertError> {
+        let issued = self.issue(principal, &[], Validity::default())?;
+        Ok(ClientTls {
+            ca_pem: self.ca_pem().into_bytes(),
+            cert_pem: issued.cert_pem.into_bytes(),
+            key_pem: issued.key_pem.into_bytes(),
+        })
+    }
+
+    /// Writes a certificate and key for `principal` into `dir`, as `<stem>.pem` and
+    /// `<stem>-key.pem` (the names `tenure certs` uses), next to `ca.pem`; returns the three
+    /// paths (CA, certificate, key).
+    pub fn write_client_files(
+        &self,
+        dir: &Path,
+        stem: &str,
+        principal: &Principal,
+    ) -> Result<[PathBuf; 3], CertError> {
+        let issued = self.issue(principal, &[], Validity::default())?;
+        let paths =
+            [dir.join("ca.pem"), dir.join(format!("{stem}.pem")), dir.join(format!("{stem}-key.pem"))];
+        std::fs::write(&paths[0], self.ca_pem()).map_err(err)?;
+        std::fs::write(&paths[1], issued.cert_pem).map_err(err)?;
+        std::fs::write(&paths[2], issued.key_pem).map_err(err)?;
+        Ok(paths)
     }
 }

@@ -7,7 +7,8 @@ use crate::ids::NodeId;
 use crate::proto;
 use crate::raft::Member;
 use crate::server::{self, NodeConfig, RunningNode};
-use crate::worker::{Client, ClientError};
+use crate::tls::Principal;
+use crate::worker::{Client, ClientError, ClientTls, WorkerConfig};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -26,6 +27,9 @@ pub struct LocalCluster {
     /// The cluster's throw-away CA: every node's peer side runs mutual TLS with its
     /// certificates. Boxed: it is large and rarely touched.
     ca: Box<DevCa>,
+    /// The operator identity [`LocalCluster::client`] and [`LocalCluster::status`] connect
+    /// with: made once, since tests poll the status many times.
+    operator: Option<ClientTls>,
 }
 
 /// The loopback address node `id` listens and dials from when it runs behind a proxy.
@@ -71,6 +75,7 @@ impl LocalCluster {
                 DevCa::new("tenure local cluster CA")
                     .map_err(|e| server::NodeError::Config(e.to_string()))?,
             ),
+            operator: None,
         };
         for id in 1..=n {
             let ip = if proxied { node_ip(id) } else { IpAddr::V4(Ipv4Addr::LOCALHOST) };
@@ -106,12 +111,45 @@ impl LocalCluster {
             cluster.configs.insert(id, config);
             cluster.nodes.insert(id, Some(running));
         }
+        // A cluster `tune` made insecure takes plaintext clients.
+        if cluster.secure() {
+            let operator = cluster.ca.client_tls(&Principal::Operator("local-cluster".into()));
+            cluster.operator = Some(operator.map_err(|e| server::NodeError::Config(e.to_string()))?);
+        }
         Ok(cluster)
     }
 
     /// The CA the nodes' certificates come from (to issue more: a worker's, a stranger's).
     pub fn ca(&self) -> &DevCa {
         &self.ca
+    }
+
+    /// Whether the nodes run TLS (unless `tune` turned it off).
+    pub fn secure(&self) -> bool {
+        self.configs.values().any(|c| c.tls.is_some())
+    }
+
+    /// A certificate of this cluster's CA for `principal`; `None` on an insecure cluster.
+    pub fn client_tls(&self, principal: &Principal) -> Option<ClientTls> {
+        self.secure().then(|| self.ca.client_tls(principal).expect("the local CA issues certificates"))
+    }
+
+    /// What a worker named `name` joins this cluster with: every node's address and, on a
+    /// TLS cluster, a certificate in its name.
+    pub fn worker_config(&self, name: &str) -> WorkerConfig {
+        let mut config = WorkerConfig::new(self.addrs(), name);
+        config.tls = self.client_tls(&Principal::Worker(name.to_string()));
+        config
+    }
+
+    /// An operator's client for every node of the cluster.
+    pub fn client(&self) -> Client {
+        self.client_to(self.addrs())
+    }
+
+    /// An operator's client for the given addresses (a node of this cluster, its proxy).
+    pub fn client_to(&self, addrs: Vec<String>) -> Client {
+        Client::new(addrs).expect("addresses of this cluster parse").with_tls(self.operator.clone())
     }
 
     /// The proxy in front of node `id`, when the cluster runs behind proxies.
@@ -237,8 +275,7 @@ impl LocalCluster {
             Some(id) => self.addr(id).to_string(),
             None => self.addrs()[0].clone(),
         };
-        let client = Client::new(vec![addr])?;
-        client.status().await
+        self.client_to(vec![addr]).status().await
     }
 }
 

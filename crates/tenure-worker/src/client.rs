@@ -6,7 +6,7 @@
 
 use crate::proto::coordinator_client::CoordinatorClient;
 use crate::proto::{ERROR_METADATA, LEADER_METADATA};
-use crate::transport::Dialer;
+use crate::transport::{ClientTls, Dialer};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -35,6 +35,13 @@ pub enum ClientError {
     PartitionOutOfRange(String),
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The coordinator does not know who is calling: no certificate, or one it cannot read.
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
+    /// The caller is known but may not do this: a worker joining under another's name or
+    /// acting on another worker's session, an operator renewing a lease.
+    #[error("not allowed: {0}")]
+    NotAllowed(String),
     #[error("no coordinator could serve the call: {0}")]
     Unavailable(String),
     #[error("bad coordinator address {0:?}")]
@@ -62,10 +69,15 @@ impl ClientError {
             "not_owner" => ClientError::NotOwner(msg),
             "partition_out_of_range" => ClientError::PartitionOutOfRange(msg),
             "invalid_argument" | "invalid_name" | "invalid_weight" => ClientError::InvalidArgument(msg),
+            "not_allowed" => ClientError::NotAllowed(msg),
+            "unauthenticated" => ClientError::Unauthenticated(msg),
             "not_leader" | "unavailable" | "not_configured" | "too_many_streams" => {
                 ClientError::Unavailable(msg)
             }
             _ if status.code() == tonic::Code::Unavailable => ClientError::Unavailable(msg),
+            // The listener's gate answers before any handler, without a kind.
+            _ if status.code() == tonic::Code::PermissionDenied => ClientError::NotAllowed(msg),
+            _ if status.code() == tonic::Code::Unauthenticated => ClientError::Unauthenticated(msg),
             _ => ClientError::Other(format!("{:?}: {msg}", status.code())),
         }
     }
@@ -94,6 +106,7 @@ struct Inner {
     addrs: Vec<String>,
     dial_from: Option<std::net::IpAddr>,
     dialer: Dialer,
+    tls: Option<ClientTls>,
     current: usize,
     /// Ordered, not hashed: dropping the client closes the connections in this order, which
     /// must not depend on the process (the whole-stack simulation replays seeds).
@@ -117,6 +130,7 @@ impl Client {
                 addrs,
                 dial_from: None,
                 dialer: Dialer::tcp(),
+                tls: None,
                 current: 0,
                 channels: Default::default(),
             })),
@@ -136,17 +150,32 @@ impl Client {
         self
     }
 
+    /// Connects over TLS with this identity (`None`: plain TCP, for an insecure cluster).
+    pub fn with_tls(self, tls: Option<ClientTls>) -> Client {
+        let mut inner = self.inner.lock().expect("client lock poisoned");
+        inner.tls = tls;
+        inner.channels.clear();
+        drop(inner);
+        self
+    }
+
     fn channel(&self) -> Result<(String, Channel), ClientError> {
         let mut inner = self.inner.lock().expect("client lock poisoned");
         let addr = inner.addrs[inner.current % inner.addrs.len()].clone();
         if let Some(c) = inner.channels.get(&addr) {
             return Ok((addr, c.clone()));
         }
-        let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        let scheme = if inner.tls.is_some() { "https" } else { "http" };
+        let mut endpoint = Endpoint::from_shared(format!("{scheme}://{addr}"))
             .map_err(|_| ClientError::BadAddress(addr.clone()))?
             .connect_timeout(Duration::from_secs(1))
             .tcp_nodelay(true)
             .local_address(inner.dial_from);
+        if let Some(tls) = &inner.tls {
+            endpoint = endpoint
+                .tls_config(tls.config())
+                .map_err(|e| ClientError::BadAddress(format!("{addr} (TLS: {e})")))?;
+        }
         let channel = inner.dialer.channel(endpoint);
         inner.channels.insert(addr.clone(), channel.clone());
         Ok((addr, channel))

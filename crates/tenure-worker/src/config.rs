@@ -28,6 +28,9 @@ pub struct WorkerConfig {
     pub dial_from: Option<std::net::IpAddr>,
     /// How connections to the coordinators are opened; TCP unless a simulation says otherwise.
     pub dialer: crate::transport::Dialer,
+    /// The certificate to connect with, which must name `tenure://worker/<name>` for this
+    /// worker's name; `None` only for a cluster started with `--insecure`.
+    pub tls: Option<crate::transport::ClientTls>,
 }
 
 impl WorkerConfig {
@@ -40,6 +43,7 @@ impl WorkerConfig {
             heartbeat_interval: None,
             dial_from: None,
             dialer: crate::transport::Dialer::tcp(),
+            tls: None,
         }
     }
 }

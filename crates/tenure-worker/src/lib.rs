@@ -53,6 +53,7 @@ pub use config::WorkerConfig;
 pub use events::WorkerEvent;
 pub use handle::PartitionHandle;
 pub use router::{Route, Router};
+pub use transport::ClientTls;
 
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::KeySpace;
@@ -154,7 +155,8 @@ impl Worker {
         }
         let client = Client::new(config.coordinators.clone())?
             .dialing_from(config.dial_from)
-            .dialing_with(config.dialer.clone());
+            .dialing_with(config.dialer.clone())
+            .with_tls(config.tls.clone());
         let request = proto::JoinRequest { name: config.name.clone(), weight: config.weight };
         let joined = client
             .call(|mut c| {

@@ -64,7 +64,12 @@ impl Drop for Router {
 impl Router {
     /// Starts following the cluster's routes; reconnects (and resynchronises) on its own.
     pub fn connect(coordinators: Vec<String>) -> Result<Router, ClientError> {
-        let client = Client::new(coordinators)?;
+        Ok(Router::follow(Client::new(coordinators)?))
+    }
+
+    /// Starts following the cluster's routes through `client` (which carries its TLS identity
+    /// and dialer); reconnects (and resynchronises) on its own.
+    pub fn follow(client: Client) -> Router {
         let table = Arc::new(RwLock::new(Table::default()));
         let stop = CancellationToken::new();
         let (t, s) = (table.clone(), stop.clone());
@@ -93,7 +98,7 @@ impl Router {
                 }
             }
         });
-        Ok(Router { table, stop })
+        Router { table, stop }
     }
 
     /// The owner of `key`'s partition, if the table knows one.

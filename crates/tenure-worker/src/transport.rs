@@ -1,4 +1,4 @@
-//! How nodes and workers open their gRPC channels.
+//! How nodes and workers open their gRPC channels, and with which TLS identity.
 //!
 //! Everything that dials (a node's Raft transport, the worker library's client) asks a
 //! [`Dialer`] for its channel instead of building a TCP one itself. In production that is
@@ -6,8 +6,53 @@
 //! turmoil's simulated network, so the very same openraft, tonic and worker code can be run
 //! under a seeded schedule of losses, delays, partitions and crashes.
 
+use std::path::Path;
 use std::sync::Arc;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// A client's TLS material, PEM encoded: the cluster's CA certificate (the only one trusted
+/// for the coordinators), and the client's own certificate and key, which name it
+/// (`tenure://worker/<name>` or `tenure://operator/<name>`).
+#[derive(Clone)]
+pub struct ClientTls {
+    pub ca_pem: Vec<u8>,
+    pub cert_pem: Vec<u8>,
+    pub key_pem: Vec<u8>,
+}
+
+impl std::fmt::Debug for ClientTls {
+    // Never prints the private key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientTls").finish_non_exhaustive()
+    }
+}
+
+impl ClientTls {
+    /// Reads the three PEM files; an error names the file that could not be read or holds
+    /// no PEM block of the expected kind.
+    pub fn from_files(ca: &Path, cert: &Path, key: &Path) -> Result<ClientTls, String> {
+        let read = |p: &Path, label: &str| {
+            let pem = std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()))?;
+            if String::from_utf8_lossy(&pem).contains(label) {
+                Ok(pem)
+            } else {
+                Err(format!("{} holds no PEM {label}", p.display()))
+            }
+        };
+        Ok(ClientTls {
+            ca_pem: read(ca, "CERTIFICATE")?,
+            cert_pem: read(cert, "CERTIFICATE")?,
+            key_pem: read(key, "PRIVATE KEY")?,
+        })
+    }
+
+    /// tonic's form of it: trust only the cluster's CA, present this identity.
+    pub fn config(&self) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&self.ca_pem))
+            .identity(Identity::from_pem(&self.cert_pem, &self.key_pem))
+    }
+}
 
 /// Opens channels that connect on first use.
 ///

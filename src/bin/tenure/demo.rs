@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tenure::local_cluster::{is_settled, LocalCluster};
 use tenure::proto::StatusResponse;
-use tenure::worker::{Worker, WorkerConfig, WorkerEvent};
+use tenure::worker::{Worker, WorkerEvent};
 
 type Log = Arc<Mutex<Vec<String>>>;
 
@@ -88,7 +88,7 @@ async fn spawn_worker(
     start: Instant,
     log: Log,
 ) -> Result<Arc<Worker>> {
-    let mut worker = Worker::join(WorkerConfig::new(cluster.addrs(), name)).await?;
+    let mut worker = Worker::join(cluster.worker_config(name)).await?;
     let mut events = worker.events();
     let worker = Arc::new(worker);
     let handle = Arc::downgrade(&worker);

@@ -65,6 +65,9 @@ struct NemesisWorkerArgs {
     epoch_ns: u64,
     #[arg(long, default_value_t = 20)]
     write_every_ms: u64,
+    /// Where the worker's certificate is (ca.pem, worker-<name>.pem, worker-<name>-key.pem).
+    #[arg(long)]
+    tls_dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -81,6 +84,38 @@ struct WorkArgs {
     /// Time between writes, per partition.
     #[arg(long, default_value_t = 50)]
     write_every_ms: u64,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
+}
+
+/// How a worker or an operator proves who it is to the coordinators.
+#[derive(Args)]
+struct ClientTlsArgs {
+    /// The cluster's CA certificate (PEM): the only one trusted for the coordinators.
+    #[arg(long, env = "TENURE_TLS_CA", requires_all = ["tls_cert", "tls_key"])]
+    tls_ca: Option<PathBuf>,
+    /// This client's certificate (PEM), naming tenure://worker/<name> or
+    /// tenure://operator/<name>.
+    #[arg(long, env = "TENURE_TLS_CERT", requires = "tls_ca")]
+    tls_cert: Option<PathBuf>,
+    /// This client's private key (PEM).
+    #[arg(long, env = "TENURE_TLS_KEY", requires = "tls_ca")]
+    tls_key: Option<PathBuf>,
+    /// Connect in plain text, to a cluster started with --insecure.
+    #[arg(long, conflicts_with = "tls_ca")]
+    insecure: bool,
+}
+
+impl ClientTlsArgs {
+    fn load(&self) -> Result<Option<tenure::worker::ClientTls>> {
+        match (&self.tls_ca, &self.tls_cert, &self.tls_key) {
+            (Some(ca), Some(cert), Some(key)) => {
+                Ok(Some(tenure::worker::ClientTls::from_files(ca, cert, key).map_err(anyhow::Error::msg)?))
+            }
+            _ if self.insecure => Ok(None),
+            _ => bail!("give a client certificate (--tls-ca, --tls-cert, --tls-key; `tenure certs` makes a development set), or --insecure for a cluster started with --insecure"),
+        }
+    }
 }
 
 #[derive(Args)]
@@ -148,8 +183,9 @@ struct ServeArgs {
     /// This node's private key (PEM).
     #[arg(long, env = "TENURE_TLS_KEY", requires = "tls_ca")]
     tls_key: Option<PathBuf>,
-    /// Serve peers in plain text, without --tls-*: anyone who reaches the peer port can then
-    /// speak Raft. For trying tenure out on one machine only.
+    /// Serve peers and clients in plain text, without --tls-*: anyone who reaches the peer port
+    /// can then speak Raft, and anyone who reaches the client port can join under any name.
+    /// For trying tenure out on one machine only.
     #[arg(long, conflicts_with = "tls_ca")]
     insecure: bool,
 }
@@ -276,6 +312,8 @@ struct CtlArgs {
     /// Coordinator addresses (host:port), comma separated.
     #[arg(long, env = "TENURE_COORDINATORS", value_delimiter = ',', required = true)]
     coordinators: Vec<String>,
+    #[command(flatten)]
+    tls: ClientTlsArgs,
     #[command(subcommand)]
     what: CtlCommand,
 }
@@ -333,6 +371,7 @@ async fn main() -> Result<()> {
                 dial_from: args.dial_from,
                 epoch_ns: args.epoch_ns,
                 write_interval: Duration::from_millis(args.write_every_ms),
+                tls_dir: args.tls_dir,
             };
             tenure::nemesis::run_worker_process(args).await.map_err(|e| anyhow::anyhow!(e))
         }
@@ -418,7 +457,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.tls = match (&args.tls_ca, &args.tls_cert, &args.tls_key) {
         (Some(ca), Some(cert), Some(key)) => Some(tenure::tls::NodeTls::from_files(ca, cert, key)?),
         _ if args.insecure => {
-            tracing::warn!("--insecure: peers are served in plain text; anyone who reaches the peer port can speak Raft");
+            tracing::warn!("--insecure: peers and clients are served in plain text and unauthenticated; anyone who reaches the peer port can speak Raft");
             None
         }
         _ => bail!("give the node its TLS material (--tls-ca, --tls-cert, --tls-key; `tenure certs` makes a development set), or --insecure to run without"),
@@ -451,7 +490,9 @@ async fn work(args: WorkArgs) -> Result<()> {
     use tenure::fence::{FenceError, PostgresFence};
     use tenure::worker::{Worker, WorkerConfig, WorkerEvent};
     let store = Arc::new(PostgresFence::connect(&args.postgres).await?);
-    let mut worker = Worker::join(WorkerConfig::new(args.coordinators, args.name)).await?;
+    let mut config = WorkerConfig::new(args.coordinators, args.name);
+    config.tls = args.tls.load()?;
+    let mut worker = Worker::join(config).await?;
     let mut events = worker.events();
     println!("JOINED session={}", worker.session());
     let every = Duration::from_millis(args.write_every_ms);
@@ -496,7 +537,7 @@ async fn work(args: WorkArgs) -> Result<()> {
 }
 
 async fn ctl(args: CtlArgs) -> Result<()> {
-    let client = tenure::worker::Client::new(args.coordinators)?;
+    let client = tenure::worker::Client::new(args.coordinators)?.with_tls(args.tls.load()?);
     match args.what {
         CtlCommand::Status => {
             let status = client.status().await?;

@@ -5,6 +5,7 @@ use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::ownership::{check_join, Command, Event, Rejection, Response as SmResponse, SecretHash};
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
+use crate::tls::Caller;
 use rand::RngCore;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -27,6 +28,19 @@ fn check_secret(secret: &str) -> Result<(), CoordinatorError> {
         )));
     }
     Ok(())
+}
+
+/// Checks that `caller` may act for `session`: its secret (the proof the session is the
+/// caller's, given only to the joiner), then, on a TLS cluster, that the certificate names the
+/// worker the session belongs to. Read under the state's lock the caller already holds.
+fn authorize_session(
+    state: &crate::ownership::OwnershipState,
+    caller: &Caller,
+    session: SessionId,
+    secret: &SecretHash,
+) -> Result<(), CoordinatorError> {
+    let record = state.authenticate_hash(session, secret)?;
+    caller.may_act_as(&record.name).map_err(CoordinatorError::NotAllowed)
 }
 
 fn new_secret() -> String {
@@ -169,7 +183,12 @@ impl StreamView {
 
 /// One renewal of a session's leases, received at `received`: answered only after a quorum
 /// round that started after it arrived (batched with the others), by the leader's lease table.
-async fn renew(node: &Node, req: proto::HeartbeatRequest, received: Instant) -> Result<Renewed, Status> {
+async fn renew(
+    node: &Node,
+    caller: &Caller,
+    req: proto::HeartbeatRequest,
+    received: Instant,
+) -> Result<Renewed, Status> {
     check_secret(&req.secret)?;
     node.ensure_leader()?;
     let session = SessionId(req.session_id);
@@ -177,7 +196,7 @@ async fn renew(node: &Node, req: proto::HeartbeatRequest, received: Instant) -> 
     let secret = SecretHash::of(&req.secret);
     {
         let applied = node.state.read().expect("state lock poisoned");
-        applied.state.authenticate_hash(session, &secret).map_err(CoordinatorError::from)?;
+        authorize_session(&applied.state, caller, session, &secret)?;
     }
     // A lease that already ran out is refused here, without spending a quorum round on it.
     if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
@@ -219,11 +238,12 @@ async fn send_or_stop<T>(
 /// stream left silent for `idle`, so that a frozen worker does not hold a stream forever.
 async fn next_renewal(
     node: &Node,
+    caller: &Caller,
     inbound: &mut tonic::Streaming<proto::HeartbeatRequest>,
     idle: std::time::Duration,
 ) -> Option<Result<Renewed, Status>> {
     match tokio::time::timeout(idle, inbound.message()).await {
-        Ok(Ok(Some(request))) => Some(renew(node, request, Instant::now()).await),
+        Ok(Ok(Some(request))) => Some(renew(node, caller, request, Instant::now()).await),
         Ok(Ok(None)) => None,
         Ok(Err(status)) => {
             Some(Err(Status::invalid_argument(format!("unreadable heartbeat: {}", status.message()))))
@@ -235,10 +255,14 @@ async fn next_renewal(
 #[tonic::async_trait]
 impl Coordinator for CoordinatorService {
     async fn join(&self, req: Request<proto::JoinRequest>) -> Result<Response<proto::JoinResponse>, Status> {
+        let caller = Caller::of(&req);
         let req = req.into_inner();
         self.node.ensure_leader()?;
         let weight = if req.weight == 0 { 1 } else { req.weight };
         check_join(&req.name, weight).map_err(CoordinatorError::Rejected)?;
+        // A worker joins only under the name its certificate gives it: a join under another's
+        // name would end that worker's session and take its partitions.
+        caller.may_act_as(&req.name).map_err(CoordinatorError::NotAllowed)?;
         // The secret goes to the worker in this answer and nowhere else; the log, every
         // replica's table and every snapshot keep only its hash.
         let secret = new_secret();
@@ -263,9 +287,10 @@ impl Coordinator for CoordinatorService {
         req: Request<proto::HeartbeatRequest>,
     ) -> Result<Response<proto::HeartbeatResponse>, Status> {
         let received = Instant::now();
+        let caller = Caller::of(&req);
         let req = req.into_inner();
         let from = req.from_partition;
-        Ok(Response::new(renew(&self.node, req, received).await?.page(from)))
+        Ok(Response::new(renew(&self.node, &caller, req, received).await?.page(from)))
     }
 
     type HeartbeatsStream = HeartbeatsStream;
@@ -283,6 +308,7 @@ impl Coordinator for CoordinatorService {
             let ttl = applied.state.config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms));
             ttl.unwrap_or(self.node.config.lease_ttl) * 2
         };
+        let caller = Caller::of(&req);
         let mut inbound = req.into_inner();
         // One answer in flight per stream: a worker sends its next heartbeat after the answer.
         let (tx, rx) = mpsc::channel(1);
@@ -299,7 +325,7 @@ impl Coordinator for CoordinatorService {
                         let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
                         return;
                     }
-                    answer = next_renewal(&node, &mut inbound, idle) => match answer {
+                    answer = next_renewal(&node, &caller, &mut inbound, idle) => match answer {
                         Some(answer) => answer,
                         None => return, // the worker closed its side
                     },
@@ -326,6 +352,7 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<proto::ReleaseRequest>,
     ) -> Result<Response<proto::ReleaseResponse>, Status> {
+        let caller = Caller::of(&req);
         let req = req.into_inner();
         check_secret(&req.secret)?;
         // Refused here, as apply would refuse it, rather than as a log entry.
@@ -336,10 +363,8 @@ impl Coordinator for CoordinatorService {
         self.node.ensure_leader()?;
         let count = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            applied
-                .state
-                .authenticate(SessionId(req.session_id), &req.secret)
-                .map_err(CoordinatorError::from)?;
+            let secret = SecretHash::of(&req.secret);
+            authorize_session(&applied.state, &caller, SessionId(req.session_id), &secret)?;
             applied.state.config().map(|c| c.partition_count).unwrap_or(0)
         };
         if let Some(&bad) = req.partitions.iter().find(|&&p| p >= count) {
@@ -372,15 +397,14 @@ impl Coordinator for CoordinatorService {
         &self,
         req: Request<proto::LeaveRequest>,
     ) -> Result<Response<proto::LeaveResponse>, Status> {
+        let caller = Caller::of(&req);
         let req = req.into_inner();
         check_secret(&req.secret)?;
         self.node.ensure_leader()?;
         {
             let applied = self.node.state.read().expect("state lock poisoned");
-            applied
-                .state
-                .authenticate(SessionId(req.session_id), &req.secret)
-                .map_err(CoordinatorError::from)?;
+            let secret = SecretHash::of(&req.secret);
+            authorize_session(&applied.state, &caller, SessionId(req.session_id), &secret)?;
         }
         let leave =
             Command::Leave { session: SessionId(req.session_id), secret: SecretHash::of(&req.secret) };
@@ -391,6 +415,7 @@ impl Coordinator for CoordinatorService {
     type WatchStream = WatchStream;
 
     async fn watch(&self, req: Request<proto::WatchRequest>) -> Result<Response<WatchStream>, Status> {
+        let caller = Caller::of(&req);
         let req = req.into_inner();
         check_secret(&req.secret)?;
         self.node.ensure_leader()?;
@@ -399,7 +424,7 @@ impl Coordinator for CoordinatorService {
         let mut events = self.node.sm.subscribe();
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            applied.state.authenticate(session, &req.secret).map_err(CoordinatorError::from)?;
+            authorize_session(&applied.state, &caller, session, &SecretHash::of(&req.secret))?;
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
             (applied.state.owned_by(session), index)
         };

@@ -24,6 +24,14 @@ pub enum CoordinatorError {
     /// another connection once some close.
     #[error("this node already serves its limit of {limit} streams")]
     TooManyStreams { limit: usize },
+    /// The caller proved no identity (an insecure client on a TLS cluster cannot get this far:
+    /// its handshake fails first).
+    #[error("unauthenticated: {0}")]
+    Unauthenticated(String),
+    /// The caller is known but may not make this call (a worker joining under another's name,
+    /// acting on another worker's session, an operator renewing a lease).
+    #[error("not allowed: {0}")]
+    NotAllowed(String),
     /// The cluster could not answer now (no quorum, shutting down); retry later.
     #[error("unavailable: {0}")]
     Unavailable(String),
@@ -37,6 +45,8 @@ impl CoordinatorError {
             CoordinatorError::InvalidArgument(_) => "invalid_argument",
             CoordinatorError::Unavailable(_) => "unavailable",
             CoordinatorError::TooManyStreams { .. } => "too_many_streams",
+            CoordinatorError::Unauthenticated(_) => "unauthenticated",
+            CoordinatorError::NotAllowed(_) => "not_allowed",
             CoordinatorError::Rejected(r) => match r {
                 Rejection::NotConfigured => "not_configured",
                 Rejection::ConfigMismatch { .. } => "config_mismatch",
@@ -65,6 +75,8 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::SessionExpired(_) => Code::NotFound,
             CoordinatorError::InvalidArgument(_) => Code::InvalidArgument,
             CoordinatorError::TooManyStreams { .. } => Code::ResourceExhausted,
+            CoordinatorError::Unauthenticated(_) => Code::Unauthenticated,
+            CoordinatorError::NotAllowed(_) => Code::PermissionDenied,
             CoordinatorError::Rejected(r) => match r {
                 Rejection::UnknownSession(_) => Code::NotFound,
                 Rejection::WrongSecret(_) => Code::PermissionDenied,

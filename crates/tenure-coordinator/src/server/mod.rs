@@ -428,17 +428,27 @@ where
     tasks.push(tokio::spawn(leader::run_renewals(node.clone(), renewal_rx, cancel.clone())));
 
     let coordinator = CoordinatorServer::new(coordinator::CoordinatorService { node: node.clone() });
+    let coordinator = tonic::service::interceptor::InterceptedService::new(
+        coordinator,
+        crate::tls::admit_client(node.config.tls.is_some()),
+    );
     let transport = RaftTransportServer::new(raft_service::RaftService::new(raft))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
-    let peer_tls = node.config.tls.as_ref().map(|t| t.peer_server());
     let transport = tonic::service::interceptor::InterceptedService::new(
         transport,
-        crate::tls::admit_peer(peer_tls.is_some()),
+        crate::tls::admit_peer(node.config.tls.is_some()),
     );
+    // Both listeners require a certificate from the cluster's CA; the gates above then admit
+    // nodes on one and workers and operators on the other.
     let mut peer_server = tonic::transport::Server::builder();
-    if let Some(tls) = peer_tls {
-        peer_server = peer_server.tls_config(tls).map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?;
+    let mut client_server = tonic::transport::Server::builder();
+    if let Some(tls) = &node.config.tls {
+        peer_server =
+            peer_server.tls_config(tls.server()).map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?;
+        client_server = client_server
+            .tls_config(tls.server())
+            .map_err(|e| NodeError::Config(format!("client TLS: {e}")))?;
     }
     // Peers reach the Raft transport only on their listener, clients the worker-facing API only
     // on theirs: a client connection cannot carry a `Vote` or an `AppendEntries`.
@@ -456,7 +466,7 @@ where
     }));
     let shutdown = cancel.clone();
     tasks.push(tokio::spawn(async move {
-        let result = tonic::transport::Server::builder()
+        let result = client_server
             // A client that stops answering pings (a frozen or vanished worker) loses its
             // connection, and with it the streams and permits it held.
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))

@@ -30,6 +30,14 @@ impl Coordinators {
         }
     }
 
+    /// The CA whose certificates the nodes require of workers; `None` on an insecure cluster.
+    pub(crate) fn ca(&self) -> Option<&crate::certs::DevCa> {
+        match self {
+            Coordinators::InProcess(c) => c.secure().then(|| c.ca()),
+            Coordinators::Processes(c) => c.ca(),
+        }
+    }
+
     pub(crate) fn proxy(&self, id: NodeId) -> Option<&FaultProxy> {
         match self {
             Coordinators::InProcess(c) => c.proxy(id),

@@ -510,6 +510,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
                 lease_ttl: config.lease_ttl,
                 election_timeout: config.election_timeout,
                 snapshot_after_logs,
+                insecure: false,
             };
             Coordinators::Processes(ProcessCluster::start(config.nodes, dir, settings).await?)
         }
@@ -552,6 +553,15 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
         let name = format!("w{}", n + 1);
         let slot = match (&config.serve_binary, &store_addr) {
             (Some(binary), Some(store_addr)) => {
+                let tls_dir = match cluster.ca() {
+                    Some(ca) => {
+                        let principal = crate::tls::Principal::Worker(name.clone());
+                        ca.write_client_files(dir, &format!("worker-{name}"), &principal)
+                            .map_err(|e| NemesisError::Worker(e.to_string()))?;
+                        Some(dir.to_path_buf())
+                    }
+                    None => None,
+                };
                 let args = WorkerProcessArgs {
                     coordinators: cluster.addrs(),
                     name,
@@ -559,6 +569,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
                     dial_from: worker_ip(n),
                     epoch_ns,
                     write_interval: config.write_interval,
+                    tls_dir,
                 };
                 Slot::Process(Box::new(
                     worker_process::ProcessSlot::start(binary, dir, &args, worker_records.clone())
@@ -567,9 +578,16 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
             }
             _ => Slot::Local(
                 LocalSlot::start(
-                    name,
-                    worker_ip(n),
-                    cluster.addrs(),
+                    {
+                        let mut worker = crate::worker::WorkerConfig::new(cluster.addrs(), name.clone());
+                        worker.dial_from = Some(worker_ip(n));
+                        worker.tls = cluster
+                            .ca()
+                            .map(|ca| ca.client_tls(&crate::tls::Principal::Worker(name)))
+                            .transpose()
+                            .map_err(|e| NemesisError::Worker(e.to_string()))?;
+                        worker
+                    },
                     store.clone(),
                     worker_records.clone(),
                     clock,

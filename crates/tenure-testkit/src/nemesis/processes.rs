@@ -31,6 +31,9 @@ pub struct ServeSettings {
     pub lease_ttl: Duration,
     pub election_timeout: Duration,
     pub snapshot_after_logs: u64,
+    /// Run the nodes with `--insecure` (plain text, nobody authenticated) instead of with the
+    /// run's certificates; for benchmarks against baselines that run without TLS.
+    pub insecure: bool,
 }
 
 /// Why a process could not be started.
@@ -89,11 +92,25 @@ pub struct ProcessCluster {
     ttl_flags: BTreeMap<NodeId, Duration>,
     /// `--placement-ring-seed` of nodes upgraded to another version of the placement rules.
     ring_seeds: BTreeMap<NodeId, u64>,
+    /// The run's CA (boxed: large, rarely touched) and the operator identity the harness
+    /// asks the nodes for their status with.
+    ca: Box<crate::certs::DevCa>,
+    operator: Option<crate::worker::ClientTls>,
 }
 
 impl ProcessCluster {
     /// Starts `n` `tenure serve` processes with their data under `dir`.
     pub async fn start(n: u64, dir: &Path, settings: ServeSettings) -> Result<ProcessCluster, ProcessError> {
+        // A throw-away CA for the run; each node gets its certificate as files, as an operator
+        // would give them.
+        let ca = crate::certs::DevCa::new("tenure nemesis CA").map_err(cert_err("making the run's CA"))?;
+        let operator = match settings.insecure {
+            true => None,
+            false => Some(
+                ca.client_tls(&crate::tls::Principal::Operator("nemesis".into()))
+                    .map_err(cert_err("issuing the operator's certificate"))?,
+            ),
+        };
         let mut cluster = ProcessCluster {
             settings,
             dir: dir.to_path_buf(),
@@ -103,6 +120,8 @@ impl ProcessCluster {
             proxies: BTreeMap::new(),
             ttl_flags: BTreeMap::new(),
             ring_seeds: BTreeMap::new(),
+            ca: Box::new(ca),
+            operator,
         };
         for id in 1..=n {
             // Ports free on the node's own address; the process binds them a moment later.
@@ -118,9 +137,7 @@ impl ProcessCluster {
             cluster.proxies.insert(id, proxy);
             cluster.listen.insert(id, listen);
         }
-        // A throw-away CA for the run; each node gets its certificate as files, as an operator
-        // would give them.
-        let ca = crate::certs::DevCa::new("tenure nemesis CA").map_err(cert_err("making the run's CA"))?;
+        let ca = &cluster.ca;
         std::fs::write(dir.join("ca.pem"), ca.ca_pem()).map_err(io("writing the CA"))?;
         for id in 1..=n {
             let hosts = ["127.0.0.1".to_string(), node_ip(id).to_string()];
@@ -166,12 +183,7 @@ impl ProcessCluster {
             .args(["--dial-from", &node_ip(id).to_string()])
             .arg("--keep-whole-log")
             .args(["--placement-ring-seed", &self.rules(id).to_string()])
-            .arg("--tls-ca")
-            .arg(self.dir.join("ca.pem"))
-            .arg("--tls-cert")
-            .arg(self.dir.join(format!("node-{id}.pem")))
-            .arg("--tls-key")
-            .arg(self.dir.join(format!("node-{id}-key.pem")))
+            .args(self.tls_args(id))
             .env("RUST_LOG", "info,openraft=warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -181,6 +193,36 @@ impl ProcessCluster {
         let child = command.spawn().map_err(io(format!("starting {}", s.binary.display())))?;
         self.children.insert(id, Some(child));
         Ok(())
+    }
+
+    /// The run's CA, to issue workers their certificates; `None` when the nodes run insecure.
+    pub fn ca(&self) -> Option<&crate::certs::DevCa> {
+        (!self.settings.insecure).then_some(&*self.ca)
+    }
+
+    /// What a worker named `name` joins this cluster with (through the proxies), with a
+    /// certificate in its name unless the nodes run insecure.
+    pub fn worker_config(&self, name: &str) -> crate::worker::WorkerConfig {
+        let mut config = crate::worker::WorkerConfig::new(self.addrs(), name);
+        config.tls = self.ca().map(|ca| {
+            ca.client_tls(&crate::tls::Principal::Worker(name.to_string())).expect("the run's CA issues")
+        });
+        config
+    }
+
+    /// Node `id`'s TLS flags: its certificate files, or `--insecure`.
+    fn tls_args(&self, id: NodeId) -> Vec<std::ffi::OsString> {
+        if self.settings.insecure {
+            return vec!["--insecure".into()];
+        }
+        vec![
+            "--tls-ca".into(),
+            self.dir.join("ca.pem").into(),
+            "--tls-cert".into(),
+            self.dir.join(format!("node-{id}.pem")).into(),
+            "--tls-key".into(),
+            self.dir.join(format!("node-{id}-key.pem")).into(),
+        ]
     }
 
     pub fn ids(&self) -> Vec<NodeId> {
@@ -208,7 +250,7 @@ impl ProcessCluster {
 
     /// Asks node `id` directly (not through its proxy) for its status.
     async fn status_of(&self, id: NodeId) -> Option<proto::StatusResponse> {
-        let client = Client::new(vec![self.listen[&id].1.to_string()]).ok()?;
+        let client = Client::new(vec![self.listen[&id].1.to_string()]).ok()?.with_tls(self.operator.clone());
         tokio::time::timeout(Duration::from_millis(500), client.status()).await.ok()?.ok()
     }
 

@@ -36,6 +36,9 @@ pub struct WorkerProcessArgs {
     /// The run clock's origin, as nanoseconds of the system's monotonic clock.
     pub epoch_ns: u64,
     pub write_interval: Duration,
+    /// Where `ca.pem`, `worker-<name>.pem` and `worker-<name>-key.pem` are (the layout
+    /// `tenure certs` writes); `None` for an insecure cluster.
+    pub tls_dir: Option<PathBuf>,
 }
 
 /// One line of a worker process's output.
@@ -72,15 +75,18 @@ impl Sink for StdoutSink {
 pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
     let clock = Clock::from_monotonic_ns(args.epoch_ns)?;
     let store = Arc::new(RemoteStore::new(&args.store).map_err(|e| e.to_string())?);
-    let mut task = SlotTask::new(
-        args.name,
-        args.dial_from,
-        args.coordinators,
-        store,
-        Arc::new(StdoutSink),
-        clock,
-        args.write_interval,
-    );
+    let tls = match &args.tls_dir {
+        Some(dir) => Some(crate::worker::ClientTls::from_files(
+            &dir.join("ca.pem"),
+            &dir.join(format!("worker-{}.pem", args.name)),
+            &dir.join(format!("worker-{}-key.pem", args.name)),
+        )?),
+        None => None,
+    };
+    let mut config = crate::worker::WorkerConfig::new(args.coordinators, args.name);
+    config.dial_from = Some(args.dial_from);
+    config.tls = tls;
+    let mut task = SlotTask::new(config, store, Arc::new(StdoutSink), clock, args.write_interval);
     // The harness's requests to act, one JSON line each; bounded, read off the work loop.
     let (actions, requested) = tokio::sync::mpsc::channel(16);
     tokio::spawn(async move {
@@ -135,6 +141,10 @@ impl ProcessSlot {
             "--write-every-ms".into(),
             args.write_interval.as_millis().to_string(),
         ];
+        let mut command = command;
+        if let Some(dir) = &args.tls_dir {
+            command.extend(["--tls-dir".to_string(), dir.display().to_string()]);
+        }
         let slot = ProcessSlot {
             name: args.name.clone(),
             command,

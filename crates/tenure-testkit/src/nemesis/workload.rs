@@ -14,7 +14,6 @@ use crate::history::{WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::worker::{PartitionHandle, Worker, WorkerConfig, WorkerEvent};
 use std::collections::BTreeMap;
-use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -139,10 +138,9 @@ pub(crate) struct LocalSlot {
 }
 
 impl LocalSlot {
+    /// A slot joining with `config` (its name, where it dials from, its certificate).
     pub(crate) async fn start<S: FenceStore + 'static>(
-        name: String,
-        ip: IpAddr,
-        coordinators: Vec<String>,
+        config: WorkerConfig,
         store: Arc<S>,
         records: Arc<Mutex<Vec<WorkerRecord>>>,
         clock: Clock,
@@ -150,7 +148,8 @@ impl LocalSlot {
     ) -> Result<LocalSlot, String> {
         let view = Arc::new(Mutex::new(View::default()));
         let sink = Arc::new(LocalSink { view: view.clone(), records });
-        let mut task = SlotTask::new(name.clone(), ip, coordinators, store, sink, clock, interval);
+        let name = config.name.clone();
+        let mut task = SlotTask::new(config, store, sink, clock, interval);
         task.rejoin().await?;
         let (commands, rx) = mpsc::channel(1);
         let task = tokio::spawn(task.run(rx));
@@ -196,19 +195,16 @@ pub(crate) struct SlotTask<S> {
 }
 
 impl<S: FenceStore + 'static> SlotTask<S> {
+    /// A slot joining with `config` (its name, where it dials from, its certificate).
     pub(crate) fn new(
-        name: String,
-        ip: IpAddr,
-        coordinators: Vec<String>,
+        config: WorkerConfig,
         store: Arc<S>,
         sink: Arc<dyn Sink>,
         clock: Clock,
         interval: Duration,
     ) -> SlotTask<S> {
-        let mut config = WorkerConfig::new(coordinators, name.clone());
-        config.dial_from = Some(ip);
         SlotTask {
-            name,
+            name: config.name.clone(),
             stall: None,
             config,
             store,

@@ -304,7 +304,11 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
     let pauses: Vec<Arc<Mutex<Option<Duration>>>> = (0..config.workers).map(|_| Arc::default()).collect();
     let views: Vec<Arc<Mutex<View>>> = (0..config.workers).map(|_| Arc::default()).collect();
     for n in 0..config.workers {
-        add_worker(&mut sim, config, n, &peers, &store, &pauses[n], &views[n], &shared);
+        // Workers, too, prove their name with a certificate of the cluster's CA.
+        let tls = ca
+            .client_tls(&crate::tls::Principal::Worker(worker_name(n)))
+            .map_err(|e| SimError::Setup(e.to_string()))?;
+        add_worker(&mut sim, config, n, &peers, &store, &pauses[n], &views[n], &shared, tls);
     }
     let mut driver = Driver { sim, config, shared, views, pauses, ids };
 
@@ -474,6 +478,7 @@ fn add_worker(
     pause: &Arc<Mutex<Option<Duration>>>,
     view: &Arc<Mutex<View>>,
     shared: &Shared,
+    tls: crate::worker::ClientTls,
 ) {
     let name = worker_name(n);
     let coordinators: Vec<String> = peers.values().map(|m| m.client_addr.clone()).collect();
@@ -482,6 +487,7 @@ fn add_worker(
         (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone(), shared.actions.clone());
     let interval = config.write_interval;
     sim.host(name.clone(), move || {
+        let tls = tls.clone();
         let (name, coordinators, store, view, records, actions) = (
             name.clone(),
             coordinators.clone(),
@@ -498,7 +504,10 @@ fn add_worker(
             let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             actions.lock().expect("actions").insert(n, tx);
-            let mut task = SlotTask::new(name, ip, coordinators, store, sink, Clock::Simulated, interval)
+            let mut config = crate::worker::WorkerConfig::new(coordinators, name);
+            config.dial_from = Some(ip);
+            config.tls = Some(tls);
+            let mut task = SlotTask::new(config, store, sink, Clock::Simulated, interval)
                 .simulated(net::dialer(), stall)
                 .acting_on(rx);
             task.rejoin().await?;
