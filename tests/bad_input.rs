@@ -436,3 +436,152 @@ async fn a_garbage_snapshot_is_refused_and_the_node_keeps_running() {
     w.leave().await.expect("leaves");
     c.shutdown().await;
 }
+
+/// The leader's session cap: a new name beyond it is refused as `too_many_sessions` before
+/// anything is proposed, a name that has a session may rejoin, and a leave makes room.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joins_beyond_the_session_cap_are_refused_until_one_leaves() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let c = tenure::local_cluster::LocalCluster::start(3, dir.path(), |cfg| {
+        fast(cfg);
+        cfg.join_limits.max_sessions = 3;
+    })
+    .await
+    .unwrap();
+    let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let w1 = worker(&c, "w1").await;
+    let w2 = worker(&c, "w2").await;
+    let w3 = worker(&c, "w3").await;
+    let before = settled(&c, 3).await;
+
+    let log = || c.node(leader).expect("the leader runs").raft().metrics().borrow().last_log_index;
+    let log_before = log();
+    let principal = tenure::tls::Principal::Worker("w4".into());
+    let mut w4 = api_client_as(&c, leader, &principal).await;
+    let join_w4 = proto::JoinRequest { name: "w4".into(), weight: 1 };
+    let err = w4.join(join_w4.clone()).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_sessions"));
+    assert!(err.message().contains('3'), "the message names the limit: {}", err.message());
+    // The worker library names it too, and does not retry a limit waiting will not lift.
+    let err = tenure::worker::Worker::join(c.worker_config("w4")).await.err().expect("w4 is refused");
+    assert!(matches!(err, tenure::worker::ClientError::LimitReached(_)), "{err:?}");
+    assert_eq!(log(), log_before, "a refused join appended nothing");
+    assert_eq!(tokens(&c.status().await.unwrap()), tokens(&before), "nothing changed");
+
+    // A worker that crashes and restarts under its own name replaces its session: not a new
+    // name. (Dropped outside the runtime, the old handle stops renewing but cannot leave.)
+    let old_session = w1.session();
+    std::thread::spawn(move || drop(w1)).join().unwrap();
+    let w1 = worker(&c, "w1").await;
+    assert_ne!(w1.session(), old_session);
+    let err = w4.join(join_w4.clone()).await.unwrap_err();
+    assert_eq!(kind(&err), "too_many_sessions", "the cap is still full");
+
+    // w2 leaves; its place is free once the leave is applied.
+    w2.leave().await.expect("w2 leaves");
+    let answer = eventually("w4 joins once w2 has left", || {
+        let (mut w4, join) = (w4.clone(), join_w4.clone());
+        async move { w4.join(join).await.ok() }
+    })
+    .await
+    .into_inner();
+    let status = c.status().await.unwrap();
+    let names: Vec<&str> = status.sessions.iter().map(|s| s.name.as_str()).collect();
+    assert!(names.contains(&"w1") && names.contains(&"w3"), "the others kept their sessions: {names:?}");
+    drop(w3);
+    let status = c.status().await.unwrap();
+    assert!(status.sessions.iter().any(|s| s.id == answer.session_id), "w4 has a session");
+    c.shutdown().await;
+}
+
+/// A burst of 10,000 joins from one stolen worker certificate: the leader admits no more than
+/// its burst plus its rate over the time the burst took, refuses the rest as `too_many_joins`
+/// (none becomes a log entry), and a worker already in the cluster keeps its session and its
+/// leases throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_joins_is_held_to_the_leaders_rate() {
+    use futures::StreamExt;
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let (burst, per_second) = (50u32, 20u32);
+    let c = tenure::local_cluster::LocalCluster::start(3, dir.path(), |cfg| {
+        fast(cfg);
+        cfg.join_limits.join_burst = burst;
+        cfg.join_limits.joins_per_second = per_second;
+    })
+    .await
+    .unwrap();
+    let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let steady = worker(&c, "steady").await;
+    settled(&c, 1).await;
+    let session = steady.session();
+
+    let principal = tenure::tls::Principal::Worker("storm".into());
+    let client = api_client_as(&c, leader, &principal).await;
+    let started = std::time::Instant::now();
+    let answers: Vec<_> = futures::stream::iter(0..10_000)
+        .map(|_| {
+            let mut client = client.clone();
+            async move { client.join(proto::JoinRequest { name: "storm".into(), weight: 1 }).await }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let took = started.elapsed();
+    let admitted = answers.iter().filter(|a| a.is_ok()).count();
+    for refused in answers.iter().filter_map(|a| a.as_ref().err()) {
+        assert_eq!((refused.code(), kind(refused)), (Code::ResourceExhausted, "too_many_joins"));
+    }
+    // The bucket's bound, with the whole burst's duration as the interval (an upper bound on
+    // the time the leader saw it for).
+    let bound = f64::from(burst) + f64::from(per_second) * took.as_secs_f64() + 1.0;
+    assert!(admitted >= burst as usize, "the burst itself is admitted: {admitted}");
+    assert!((admitted as f64) <= bound, "{admitted} joins admitted in {took:?}, bound {bound}");
+
+    // The steady worker kept its session and holds what the table gives it.
+    let status = workers_agree(&c, &[&steady]).await;
+    assert!(status.sessions.iter().any(|s| s.id == session.0), "steady's session lives on");
+    assert!(c.leader().is_some(), "the cluster still has a leader");
+    steady.leave().await.expect("steady leaves");
+    c.shutdown().await;
+}
+
+/// A name of a megabyte is a bad name; a message over the client listener's size limit is
+/// refused before it is decoded, as RESOURCE_EXHAUSTED, on a call and on a heartbeat stream.
+/// Neither appends anything, and the node keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_megabyte_name_is_invalid_and_an_oversized_message_is_resource_exhausted() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let w = worker(&c, "w1").await;
+    let before = settled(&c, 1).await;
+    let leader = c.leader().unwrap();
+    let log = || c.node(leader).expect("the leader runs").raft().metrics().borrow().last_log_index;
+    let log_before = log();
+    let mut client = api_client(&c, leader).await;
+
+    let megabyte = "n".repeat(1 << 20);
+    let err = client.join(proto::JoinRequest { name: megabyte, weight: 1 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_name"));
+
+    let huge = "n".repeat(tenure::server::MAX_CLIENT_MESSAGE_BYTES + 1);
+    let err = client.join(proto::JoinRequest { name: huge.clone(), weight: 1 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "message_too_large"), "{err:?}");
+    let beat = proto::HeartbeatRequest { session_id: w.session().0, secret: huge, ..Default::default() };
+    let outcome = client.heartbeats(tokio_stream::iter([beat])).await;
+    let err = match outcome {
+        Ok(answers) => answers.into_inner().message().await.unwrap_err(),
+        Err(err) => err,
+    };
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "message_too_large"), "{err:?}");
+    // The peer listener has a larger limit (a snapshot chunk), enforced the same way.
+    let too_big = vec![0u8; tenure::raft::network::MAX_RAFT_MESSAGE_BYTES + 1];
+    let err = raft_client(&c, leader).append_entries(RaftPayload { data: too_big }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "message_too_large"), "{err:?}");
+
+    assert_eq!(log(), log_before, "nothing was appended");
+    let after = workers_agree(&c, &[&w]).await;
+    assert_eq!(tokens(&after), tokens(&before), "nothing changed");
+    c.shutdown().await;
+}

@@ -98,7 +98,7 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
             .arg("--data-dir")
             .arg(dir.path().join(format!("n{i}")))
             .args(["--partitions", "16", "--lease-ttl-ms", "2000"])
-            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
+            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}"), "--gauge-refresh-ms", "200"])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -159,5 +159,20 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
         let series = body.lines().filter(|l| l.starts_with("tenure_grants_total{")).count();
         assert_eq!(series, 1, "node {id} exports one grants series, its own:\n{body}");
     }
-    drop(worker);
+    // A worker's gauge lives as long as its session, on every node: once it leaves, the series
+    // is dropped rather than kept at its last value for ever.
+    let series = "tenure_owned_partitions{worker=\"proc-worker\"}";
+    for m in &metrics {
+        until("every node exports the worker's gauge", || {
+            http_get(&format!("127.0.0.1:{m}"), "/metrics").filter(|b| b.contains(series))
+        });
+    }
+    runtime.block_on(worker.leave()).expect("the worker leaves");
+    for m in &metrics {
+        until("the worker's gauge is dropped once its session has ended", || {
+            http_get(&format!("127.0.0.1:{m}"), "/metrics").filter(|b| !b.contains(series))
+        });
+    }
+    let body = http_get(&format!("127.0.0.1:{}", metrics[0]), "/metrics").expect("a scrape");
+    assert!(body.contains("tenure_grants_total"), "counters are kept: {body}");
 }

@@ -42,6 +42,10 @@ pub enum ClientError {
     /// acting on another worker's session, an operator renewing a lease.
     #[error("not allowed: {0}")]
     NotAllowed(String),
+    /// The cluster is at a limit that waiting a moment will not lift: its cap on workers with
+    /// a session, or its size limit on a message.
+    #[error("limit reached: {0}")]
+    LimitReached(String),
     #[error("no coordinator could serve the call: {0}")]
     Unavailable(String),
     #[error("bad coordinator address {0:?}")]
@@ -70,8 +74,10 @@ impl ClientError {
             "partition_out_of_range" => ClientError::PartitionOutOfRange(msg),
             "invalid_argument" | "invalid_name" | "invalid_weight" => ClientError::InvalidArgument(msg),
             "not_allowed" => ClientError::NotAllowed(msg),
+            "too_many_sessions" | "message_too_large" => ClientError::LimitReached(msg),
             "unauthenticated" => ClientError::Unauthenticated(msg),
-            "not_leader" | "unavailable" | "not_configured" | "too_many_streams" => {
+            // A join refused by the leader's rate passes on a later try: the call retries it.
+            "not_leader" | "unavailable" | "not_configured" | "too_many_streams" | "too_many_joins" => {
                 ClientError::Unavailable(msg)
             }
             _ if status.code() == tonic::Code::Unavailable => ClientError::Unavailable(msg),

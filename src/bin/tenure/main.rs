@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 use tenure::ids::NodeId;
 use tenure::raft::Member;
-use tenure::server::{self, NodeConfig};
+use tenure::server::{self, JoinLimits, NodeConfig};
 
 #[derive(Parser)]
 #[command(
@@ -153,6 +153,10 @@ struct ServeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long, env = "TENURE_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    /// How often, in milliseconds, the per-worker gauges are set again; a worker's series is
+    /// dropped from the metrics three periods after its session ends.
+    #[arg(long, env = "TENURE_GAUGE_REFRESH_MS", default_value_t = 10_000)]
+    gauge_refresh_ms: u64,
     /// Raft heartbeat interval in milliseconds (default: a fifth of the election timeout).
     #[arg(long, env = "TENURE_RAFT_HEARTBEAT_MS")]
     raft_heartbeat_ms: Option<u64>,
@@ -170,6 +174,17 @@ struct ServeArgs {
     /// more are refused.
     #[arg(long, env = "TENURE_MAX_STREAMS", default_value_t = 100_000)]
     max_streams: usize,
+    /// Most workers with a session, cluster-wide, when this node leads; a new name beyond it is
+    /// refused (RESOURCE_EXHAUSTED) until one leaves.
+    #[arg(long, env = "TENURE_MAX_SESSIONS", default_value_t = JoinLimits::default().max_sessions)]
+    max_sessions: usize,
+    /// Joins admitted per second, sustained, when this node leads; more are refused
+    /// (RESOURCE_EXHAUSTED) and the worker library retries them.
+    #[arg(long, env = "TENURE_JOINS_PER_SECOND", default_value_t = JoinLimits::default().joins_per_second)]
+    joins_per_second: u32,
+    /// Joins admitted at once after a quiet spell (a fleet starting up).
+    #[arg(long, env = "TENURE_JOIN_BURST", default_value_t = JoinLimits::default().join_burst)]
+    join_burst: u32,
     /// Seed of the placement affinity ring. Two seeds stand for two versions of the placement
     /// rules, for rolling-upgrade tests; only the leader's applies, through the log.
     #[arg(long, hide = true, default_value_t = 0)]
@@ -454,6 +469,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.dial_from = args.dial_from;
     config.keep_whole_log = args.keep_whole_log;
     config.max_streams = args.max_streams;
+    config.join_limits = JoinLimits {
+        max_sessions: args.max_sessions,
+        joins_per_second: args.joins_per_second,
+        join_burst: args.join_burst,
+    };
     config.tls = match (&args.tls_ca, &args.tls_cert, &args.tls_key) {
         (Some(ca), Some(cert), Some(key)) => Some(tenure::tls::NodeTls::from_files(ca, cert, key)?),
         _ if args.insecure => {
@@ -462,9 +482,14 @@ async fn serve(args: ServeArgs) -> Result<()> {
         }
         _ => bail!("give the node its TLS material (--tls-ca, --tls-cert, --tls-key; `tenure certs` makes a development set), or --insecure to run without"),
     };
+    config.gauge_refresh = Duration::from_millis(args.gauge_refresh_ms);
     config.validate()?;
     if let Some(addr) = args.metrics_listen {
+        // Gauges the node stops setting (a worker whose session ended) leave the scrape;
+        // counters and histograms are kept.
+        let idle = config.gauge_refresh * 3;
         metrics_exporter_prometheus::PrometheusBuilder::new()
+            .idle_timeout(metrics_util::MetricKindMask::GAUGE, Some(idle))
             .with_http_listener(addr)
             .install()
             .context("starting the metrics endpoint")?;

@@ -245,6 +245,9 @@ async fn next_renewal(
     match tokio::time::timeout(idle, inbound.message()).await {
         Ok(Ok(Some(request))) => Some(renew(node, caller, request, Instant::now()).await),
         Ok(Ok(None)) => None,
+        Ok(Err(status)) if super::error::is_oversized(&status) => {
+            Some(Err(CoordinatorError::MessageTooLarge(status.message().to_string()).into()))
+        }
         Ok(Err(status)) => {
             Some(Err(Status::invalid_argument(format!("unreadable heartbeat: {}", status.message()))))
         }
@@ -263,6 +266,19 @@ impl Coordinator for CoordinatorService {
         // A worker joins only under the name its certificate gives it: a join under another's
         // name would end that worker's session and take its partitions.
         caller.may_act_as(&req.name).map_err(CoordinatorError::NotAllowed)?;
+        let (has_session, live_names) = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            let live = applied.state.sessions().values().filter(|r| !r.leaving);
+            let (mut has, mut count) = (false, 0);
+            for record in live {
+                has |= record.name == req.name;
+                count += 1;
+            }
+            (has, count)
+        };
+        // Held until the join is applied or fails: joins in flight count against the cap.
+        let _admitted =
+            self.node.admission.admit(&req.name, has_session, live_names, std::time::Instant::now())?;
         // The secret goes to the worker in this answer and nowhere else; the log, every
         // replica's table and every snapshot keep only its hash.
         let secret = new_secret();

@@ -2,6 +2,7 @@
 
 use crate::ids::{NodeId, SessionId};
 use crate::ownership::Rejection;
+use tonic::codegen::http;
 
 pub use crate::proto::{ERROR_METADATA, LEADER_METADATA};
 
@@ -32,6 +33,16 @@ pub enum CoordinatorError {
     /// acting on another worker's session, an operator renewing a lease).
     #[error("not allowed: {0}")]
     NotAllowed(String),
+    /// The cluster already has `limit` workers with a session; a new name may join when one
+    /// leaves.
+    #[error("the cluster already has its limit of {limit} workers with a session")]
+    TooManySessions { limit: usize },
+    /// Joins arrive faster than the leader admits them; retry after a short wait.
+    #[error("joins arrive faster than the {per_second} per second this leader admits; retry shortly")]
+    TooManyJoins { per_second: u32 },
+    /// A message over the listener's size limit, refused before it was decoded.
+    #[error("message too large: {0}")]
+    MessageTooLarge(String),
     /// The cluster could not answer now (no quorum, shutting down); retry later.
     #[error("unavailable: {0}")]
     Unavailable(String),
@@ -46,6 +57,9 @@ impl CoordinatorError {
             CoordinatorError::Unavailable(_) => "unavailable",
             CoordinatorError::TooManyStreams { .. } => "too_many_streams",
             CoordinatorError::Unauthenticated(_) => "unauthenticated",
+            CoordinatorError::TooManySessions { .. } => "too_many_sessions",
+            CoordinatorError::TooManyJoins { .. } => "too_many_joins",
+            CoordinatorError::MessageTooLarge(_) => "message_too_large",
             CoordinatorError::NotAllowed(_) => "not_allowed",
             CoordinatorError::Rejected(r) => match r {
                 Rejection::NotConfigured => "not_configured",
@@ -74,7 +88,10 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::NotLeader { .. } | CoordinatorError::Unavailable(_) => Code::Unavailable,
             CoordinatorError::SessionExpired(_) => Code::NotFound,
             CoordinatorError::InvalidArgument(_) => Code::InvalidArgument,
-            CoordinatorError::TooManyStreams { .. } => Code::ResourceExhausted,
+            CoordinatorError::TooManyStreams { .. }
+            | CoordinatorError::TooManySessions { .. }
+            | CoordinatorError::TooManyJoins { .. }
+            | CoordinatorError::MessageTooLarge(_) => Code::ResourceExhausted,
             CoordinatorError::Unauthenticated(_) => Code::Unauthenticated,
             CoordinatorError::NotAllowed(_) => Code::PermissionDenied,
             CoordinatorError::Rejected(r) => match r {
@@ -104,4 +121,22 @@ impl From<CoordinatorError> for tonic::Status {
         }
         status
     }
+}
+
+/// tonic's decoder refuses a message over the listener's size limit with `OUT_OF_RANGE`, the
+/// code this API gives a partition outside the table. This rewrites that refusal (a
+/// trailers-only answer, sent before any handler runs) as `RESOURCE_EXHAUSTED` with the kind
+/// `message_too_large`, so a caller can tell its own oversized message from a bad partition.
+pub(crate) fn oversized_as_exhausted<B: Default>(response: http::Response<B>) -> http::Response<B> {
+    match tonic::Status::from_header_map(response.headers()) {
+        Some(status) if is_oversized(&status) => {
+            tonic::Status::from(CoordinatorError::MessageTooLarge(status.message().to_string())).into_http()
+        }
+        _ => response,
+    }
+}
+
+/// Whether `status` is tonic's refusal of a message over the decoding limit.
+pub(crate) fn is_oversized(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::OutOfRange && status.message().contains("decoded message length too large")
 }

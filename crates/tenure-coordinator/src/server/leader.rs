@@ -268,13 +268,33 @@ fn observe(node: &Node, applied: &AppliedEvent) {
         .iter()
         .any(|e| matches!(e, Event::Granted { .. } | Event::Lost { .. } | Event::Released { .. }))
     {
-        let state = node.state.read().expect("state lock poisoned");
-        let mut owned: HashMap<&str, usize> = HashMap::new();
-        for (session, record) in state.state.sessions() {
-            *owned.entry(record.name.as_str()).or_default() += state.state.owned_count(*session);
-        }
-        for (name, count) in owned {
-            metrics::gauge!("tenure_owned_partitions", "worker" => name.to_string()).set(count as f64);
+        publish_owned(node);
+    }
+}
+
+/// Sets `tenure_owned_partitions{worker}` for every worker name with a session, from the
+/// applied table. Only names with a session are set: the exporter drops a series nobody has
+/// set for a few refresh periods, so a name whose session ended leaves no series behind.
+fn publish_owned(node: &Node) {
+    let state = node.state.read().expect("state lock poisoned");
+    let mut owned: HashMap<&str, usize> = HashMap::new();
+    for (session, record) in state.state.sessions() {
+        *owned.entry(record.name.as_str()).or_default() += state.state.owned_count(*session);
+    }
+    for (name, count) in owned {
+        metrics::gauge!("tenure_owned_partitions", "worker" => name.to_string()).set(count as f64);
+    }
+}
+
+/// Re-publishes the per-worker gauges every `gauge_refresh`, on every node, so that the series
+/// of a live worker never goes idle while one whose session ended does (see [`publish_owned`]).
+pub(crate) async fn refresh_gauges(node: Arc<Node>, cancel: CancellationToken) {
+    let mut tick = tokio::time::interval(node.config.gauge_refresh);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = tick.tick() => publish_owned(&node),
         }
     }
 }

@@ -13,11 +13,17 @@
 //!   flag), and proposing expiries when deadlines pass.
 //! - [`raft_service`]: the receiving end of the Raft transport.
 
+mod admission;
 pub mod coordinator;
 mod error;
 mod leader;
 mod raft_service;
 
+pub use admission::JoinLimits;
+
+/// The largest message a client may send (a heartbeat, a release, a join); a larger one is
+/// refused as `RESOURCE_EXHAUSTED` (`message_too_large`) before it is decoded.
+pub const MAX_CLIENT_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 pub use error::{CoordinatorError, ERROR_METADATA, LEADER_METADATA};
 
 use crate::ids::NodeId;
@@ -77,6 +83,12 @@ pub struct NodeConfig {
     /// streams, and ownership and route streams together. One more is refused with
     /// `TooManyStreams` rather than growing without bound; subscribers cannot crowd out renewals.
     pub max_streams: usize,
+    /// This node's limits on joins when it leads (see [`JoinLimits`]).
+    pub join_limits: JoinLimits,
+    /// How often the per-worker gauges (`tenure_owned_partitions{worker}`) are set again. An
+    /// exporter that drops series idle for a few periods then drops a worker's series once its
+    /// session has ended, so a stream of distinct names cannot grow the metrics without bound.
+    pub gauge_refresh: Duration,
     /// How this node connects to its peers; TCP unless a simulation says otherwise.
     pub dialer: tenure_worker::transport::Dialer,
     /// The cluster CA and this node's certificate: the peer listener then requires a node's
@@ -108,6 +120,8 @@ impl NodeConfig {
             dial_from: None,
             keep_whole_log: false,
             max_streams: 100_000,
+            join_limits: JoinLimits::default(),
+            gauge_refresh: Duration::from_secs(10),
             dialer: tenure_worker::transport::Dialer::tcp(),
             tls: None,
         }
@@ -158,6 +172,16 @@ impl NodeConfig {
                 self.max_streams
             ));
         }
+        if self.gauge_refresh.is_zero() {
+            return bad("the gauge refresh period must be positive".to_string());
+        }
+        let limits = &self.join_limits;
+        if limits.max_sessions == 0 || limits.joins_per_second == 0 || limits.join_burst == 0 {
+            return bad(format!(
+                "the session cap, the join rate and the join burst must all be positive, not {}, {} and {}",
+                limits.max_sessions, limits.joins_per_second, limits.join_burst
+            ));
+        }
         Ok(())
     }
 }
@@ -199,6 +223,8 @@ pub struct Node {
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
     /// One permit per open heartbeat stream.
     pub(crate) heartbeat_streams: Arc<tokio::sync::Semaphore>,
+    /// The session cap and join rate this node enforces while it leads.
+    pub(crate) admission: admission::Admission,
 }
 
 impl Node {
@@ -410,7 +436,7 @@ where
 
     let (renewals, renewal_rx) = mpsc::channel(65536);
     let cancel = CancellationToken::new();
-    let max_streams = config.max_streams;
+    let (max_streams, join_limits) = (config.max_streams, config.join_limits);
     let node = Arc::new(Node {
         config,
         raft: raft.clone(),
@@ -422,12 +448,15 @@ where
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         server_metrics: raft.server_metrics(),
+        admission: admission::Admission::new(join_limits),
     });
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(leader::run_duties(node.clone(), cancel.clone())));
     tasks.push(tokio::spawn(leader::run_renewals(node.clone(), renewal_rx, cancel.clone())));
+    tasks.push(tokio::spawn(leader::refresh_gauges(node.clone(), cancel.clone())));
 
-    let coordinator = CoordinatorServer::new(coordinator::CoordinatorService { node: node.clone() });
+    let coordinator = CoordinatorServer::new(coordinator::CoordinatorService { node: node.clone() })
+        .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES);
     let coordinator = tonic::service::interceptor::InterceptedService::new(
         coordinator,
         crate::tls::admit_client(node.config.tls.is_some()),
@@ -441,8 +470,9 @@ where
     );
     // Both listeners require a certificate from the cluster's CA; the gates above then admit
     // nodes on one and workers and operators on the other.
-    let mut peer_server = tonic::transport::Server::builder();
-    let mut client_server = tonic::transport::Server::builder();
+    let oversized = tower::util::MapResponseLayer::new(error::oversized_as_exhausted);
+    let mut peer_server = tonic::transport::Server::builder().layer(oversized.clone());
+    let mut client_server = tonic::transport::Server::builder().layer(oversized);
     if let Some(tls) = &node.config.tls {
         peer_server =
             peer_server.tls_config(tls.server()).map_err(|e| NodeError::Config(format!("peer TLS: {e}")))?;
