@@ -87,20 +87,9 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     let mut children = Processes(Vec::new());
     for (i, metrics_port) in metrics.iter().enumerate() {
         let id = i + 1;
-        let child = Command::new(BIN)
-            .args(["serve", "--id", &id.to_string(), "--peers", &peers])
-            .arg("--tls-ca")
-            .arg(certs.join("ca.pem"))
-            .arg("--tls-cert")
-            .arg(certs.join(format!("node-{id}.pem")))
-            .arg("--tls-key")
-            .arg(certs.join(format!("node-{id}-key.pem")))
-            .arg("--data-dir")
-            .arg(dir.path().join(format!("n{i}")))
-            .args(["--partitions", "16", "--lease-ttl-ms", "2000"])
-            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}"), "--gauge-refresh-ms", "200"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
+        let child = serve(id, &peers, &certs, dir.path())
+            .args(["--lease-ttl-ms", "2000", "--gauge-refresh-ms", "200"])
+            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
             .spawn()
             .unwrap();
         children.0.push(child);
@@ -175,4 +164,100 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     }
     let body = http_get(&format!("127.0.0.1:{}", metrics[0]), "/metrics").expect("a scrape");
     assert!(body.contains("tenure_grants_total"), "counters are kept: {body}");
+}
+
+/// `tenure serve` for node `id` of the three in `peers`, with the development certificates in
+/// `certs` and its data under `dir`.
+fn serve(id: usize, peers: &str, certs: &Path, dir: &Path) -> Command {
+    let mut command = Command::new(BIN);
+    command
+        .args(["serve", "--id", &id.to_string(), "--peers", peers])
+        .arg("--tls-ca")
+        .arg(certs.join("ca.pem"))
+        .arg("--tls-cert")
+        .arg(certs.join(format!("node-{id}.pem")))
+        .arg("--tls-key")
+        .arg(certs.join(format!("node-{id}-key.pem")))
+        .arg("--data-dir")
+        .arg(dir.join(format!("n{id}")))
+        .args(["--partitions", "16"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    command
+}
+
+/// What an operator's rolling restart does: SIGTERM each `tenure serve` in turn, wait for it to
+/// exit, start it again, wait for it to rejoin. The leader hands over before it exits; the
+/// worker, in this process, never loses a partition and no partition changes owner or token.
+#[test]
+fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let peers = (0..3)
+        .map(|i| format!("{}=127.0.0.1:{}/127.0.0.1:{}", i + 1, ports[i], free_port()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let certs = dir.path().join("certs");
+    let made = Command::new(BIN)
+        .args(["certs", "--dir"])
+        .arg(&certs)
+        .args(["--nodes", "3", "--workers", "roller", "--operators", "ops"])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let mut children = Processes(Vec::new());
+    for id in 1..=3 {
+        children.0.push(serve(id, &peers, &certs, dir.path()).spawn().unwrap());
+    }
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let tls = |principal: &str| {
+        let file = |suffix: &str| certs.join(format!("{principal}{suffix}"));
+        ClientTls::from_files(&certs.join("ca.pem"), &file(".pem"), &file("-key.pem")).unwrap()
+    };
+    // One node's own view (any node answers status from its applied state).
+    let view_of = |runtime: &tokio::runtime::Runtime, id: usize| {
+        let client = tenure::worker::Client::new(vec![addrs[id - 1].clone()]).unwrap();
+        let client = client.with_tls(Some(tls("operator-ops")));
+        runtime.block_on(client.status()).ok().filter(|s| s.node_id == id as u64)
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let mut config = WorkerConfig::new(addrs.clone(), "roller");
+    config.tls = Some(tls("worker-roller"));
+    let mut worker = until("the worker joins", || runtime.block_on(Worker::join(config.clone())).ok());
+    let mut events = worker.events();
+    let table = |s: &tenure::proto::StatusResponse| {
+        s.partitions.iter().map(|r| (r.partition, r.owner, r.token)).collect::<Vec<_>>()
+    };
+    let before = until("the worker owns all 16 partitions", || {
+        let status = (1..=3).find_map(|id| view_of(&runtime, id).filter(|s| s.leader_id == id as u64))?;
+        let owned = status.partitions.iter().filter(|r| r.owner == worker.session().0).count();
+        (owned == 16 && worker.owned().len() == 16).then(|| table(&status))
+    });
+
+    let mut handed_over = false;
+    for id in 1..=3usize {
+        let leader = (1..=3).find_map(|i| view_of(&runtime, i)).map(|s| s.leader_id).unwrap_or(0);
+        handed_over |= leader == id as u64;
+        let child = &mut children.0[id - 1];
+        let signalled =
+            Command::new("sh").arg("-c").arg(format!("kill -TERM {}", child.id())).status().unwrap();
+        assert!(signalled.success());
+        let exited = until(&format!("node {id} exits after SIGTERM"), || child.try_wait().unwrap());
+        assert!(exited.success(), "node {id} stopped cleanly: {exited:?}");
+        *child = serve(id, &peers, &certs, dir.path()).spawn().unwrap();
+        until(&format!("node {id} is back and knows a leader"), || {
+            view_of(&runtime, id).filter(|s| s.leader_id != 0)
+        });
+    }
+    assert!(handed_over, "the leader was among the nodes restarted");
+
+    let after = until("a leader's table, the worker still holding every partition", || {
+        let status = (1..=3).find_map(|id| view_of(&runtime, id).filter(|s| s.leader_id == id as u64))?;
+        (worker.owned().len() == 16).then(|| table(&status))
+    });
+    assert_eq!(after, before, "no partition changed owner or token");
+    while let Ok(event) = events.try_recv() {
+        assert!(!matches!(event, tenure::worker::WorkerEvent::Lost { .. }), "the worker lost {event:?}");
+    }
+    runtime.block_on(worker.leave()).expect("the worker leaves");
 }

@@ -221,6 +221,13 @@ impl LocalCluster {
         }
     }
 
+    /// Stops a node as SIGTERM does: if it leads, it hands leadership over first (see
+    /// [`server::RunningNode::shutdown_gracefully`]). Returns the node that took over, if any.
+    pub async fn stop_gracefully(&mut self, id: NodeId, bound: Duration) -> Option<NodeId> {
+        let node = self.nodes.get_mut(&id).and_then(Option::take)?;
+        node.shutdown_gracefully(bound).await
+    }
+
     /// Restarts a stopped node on the same address and data directory.
     pub async fn restart(&mut self, id: NodeId) -> Result<(), server::NodeError> {
         // In one process, the stopped node's last background work (a snapshot being built, a

@@ -157,6 +157,10 @@ struct ServeArgs {
     /// dropped from the metrics three periods after its session ends.
     #[arg(long, env = "TENURE_GAUGE_REFRESH_MS", default_value_t = 10_000)]
     gauge_refresh_ms: u64,
+    /// On SIGTERM or SIGINT, how long, in milliseconds, the node may take to hand leadership
+    /// over and stop; past it, it stops anyway.
+    #[arg(long, env = "TENURE_SHUTDOWN_BOUND_MS", default_value_t = 10_000)]
+    shutdown_bound_ms: u64,
     /// Raft heartbeat interval in milliseconds (default: a fifth of the election timeout).
     #[arg(long, env = "TENURE_RAFT_HEARTBEAT_MS")]
     raft_heartbeat_ms: Option<u64>,
@@ -501,9 +505,25 @@ async fn serve(args: ServeArgs) -> Result<()> {
         server::Listeners { peers: bind(listen_peers).await?, clients: bind(listen_clients).await? };
     let node = server::start(config, listeners).await?;
     tracing::info!(clients = %node.addr, peers = %node.peer_addr, "serving");
-    tokio::signal::ctrl_c().await.context("waiting for ctrl-c")?;
-    tracing::info!("shutting down");
-    node.shutdown().await;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("listening for SIGTERM")?;
+    let signal = tokio::select! {
+        r = tokio::signal::ctrl_c() => { r.context("listening for SIGINT")?; "SIGINT" }
+        _ = terminate.recv() => "SIGTERM",
+    };
+    // A planned stop: no new work, leadership handed over if this node leads, streams ended
+    // with a status that sends workers elsewhere, all within a bound. A second signal stops at
+    // once, as a crash would (every write is already synced).
+    let bound = Duration::from_millis(args.shutdown_bound_ms);
+    tracing::info!(signal, ?bound, "stopping gracefully");
+    tokio::select! {
+        successor = node.shutdown_gracefully(bound) => match successor {
+            Some(id) => tracing::info!(successor = id, "stopped; node {id} leads"),
+            None => tracing::info!("stopped"),
+        },
+        _ = tokio::signal::ctrl_c() => tracing::warn!("second signal: stopping at once"),
+        _ = terminate.recv() => tracing::warn!("second signal: stopping at once"),
+    }
     Ok(())
 }
 

@@ -49,6 +49,11 @@ impl Network {
         Network { dial_from, dialer, tls, channels: Arc::default() }
     }
 
+    /// A client of the peer service at `addr`, on the shared connection to it.
+    pub(crate) fn transport(&self, addr: &str) -> Result<RaftTransportClient<Channel>, String> {
+        self.channel(addr).map(RaftTransportClient::new)
+    }
+
     fn channel(&self, addr: &str) -> Result<Channel, String> {
         let mut channels = self.channels.lock().expect("channel cache poisoned");
         if let Some(channel) = channels.get(addr) {

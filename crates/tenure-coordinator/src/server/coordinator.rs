@@ -338,7 +338,7 @@ impl Coordinator for CoordinatorService {
                 let answer = tokio::select! {
                     _ = tx.closed() => return,
                     _ = node.stopping.cancelled() => {
-                        let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
+                        let _ = tx.try_send(Err(node.stopped().into()));
                         return;
                     }
                     answer = next_renewal(&node, &caller, &mut inbound, idle) => match answer {
@@ -465,7 +465,7 @@ impl Coordinator for CoordinatorService {
                 let received = tokio::select! {
                     _ = tx.closed() => return, // the worker hung up
                     _ = service.node.stopping.cancelled() => {
-                        let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
+                        let _ = tx.try_send(Err(service.node.stopped().into()));
                         return;
                     }
                     received = events.recv() => received,
@@ -483,12 +483,7 @@ impl Coordinator for CoordinatorService {
                         return;
                     }
                     Err(broadcast::error::RecvError::Closed) => {
-                        send_or_stop(
-                            &tx,
-                            Err(Status::unavailable("node is shutting down")),
-                            &service.node.stopping,
-                        )
-                        .await;
+                        send_or_stop(&tx, Err(service.node.stopped().into()), &service.node.stopping).await;
                         return;
                     }
                 };
@@ -555,7 +550,7 @@ impl Coordinator for CoordinatorService {
                 let received = tokio::select! {
                     _ = tx.closed() => return, // the caller hung up
                     _ = node.stopping.cancelled() => {
-                        let _ = tx.try_send(Err(Status::unavailable("node is shutting down")));
+                        let _ = tx.try_send(Err(node.stopped().into()));
                         return;
                     }
                     received = events.recv() => received,

@@ -49,6 +49,13 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     let mut placing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
     let mut replan = false;
     loop {
+        if node.draining.is_cancelled() {
+            // A stopping node decides nothing more (see the handover module); whatever is in
+            // flight is left to the log.
+            proposing = None;
+            placing = None;
+            replan = false;
+        }
         if replan && placing.is_none() && leading_term.is_some() {
             replan = false;
             placing = next_placement(&node).map(|f| Box::pin(f) as Pin<Box<dyn Future<Output = ()> + Send>>);
@@ -106,7 +113,7 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                 replan = true;
             }
             _ = tick.tick() => {
-                if proposing.is_some() {
+                if proposing.is_some() || node.draining.is_cancelled() {
                     continue;
                 }
                 let due = match node.leases.lock().expect("lease lock poisoned").as_mut() {
@@ -317,6 +324,13 @@ pub(crate) async fn run_renewals(
                 Ok(r) => batch.push(r),
                 Err(_) => break,
             }
+        }
+        // A node that no longer leads, or is stopping, answers without a quorum round.
+        if let Err(not_leader) = node.ensure_leader() {
+            for r in batch {
+                let _ = r.reply.send(Err(not_leader.clone()));
+            }
+            continue;
         }
         let confirmed = node.raft.ensure_linearizable().await;
         if let Err(e) = confirmed {

@@ -16,6 +16,7 @@
 mod admission;
 pub mod coordinator;
 mod error;
+mod handover;
 mod leader;
 mod raft_service;
 
@@ -225,6 +226,14 @@ pub struct Node {
     pub(crate) heartbeat_streams: Arc<tokio::sync::Semaphore>,
     /// The session cap and join rate this node enforces while it leads.
     pub(crate) admission: admission::Admission,
+    /// Fires when a graceful stop begins: the node takes no new work from then on (every call
+    /// that needs the leader is pointed at `successor`), while Raft keeps running until the
+    /// handover is done.
+    pub(crate) draining: CancellationToken,
+    /// The follower a draining leader hands over to, once chosen.
+    pub(crate) successor: Mutex<Option<NodeId>>,
+    /// Connections to peers, shared with Raft (for the handover's campaign request).
+    pub(crate) network: Network,
 }
 
 impl Node {
@@ -259,6 +268,12 @@ impl Node {
 
     /// Fails with `NotLeader` (and the leader's address) unless this node leads.
     pub fn ensure_leader(&self) -> Result<(), CoordinatorError> {
+        if self.draining.is_cancelled() {
+            // Stopping: the work goes to the successor (or, until one is chosen, anywhere else).
+            let leader_id = *self.successor.lock().expect("successor lock poisoned");
+            let leader_addr = leader_id.and_then(|id| self.address_of(id));
+            return Err(CoordinatorError::NotLeader { leader_id, leader_addr });
+        }
         // Every request asks this: read the small server metrics in place, copying nothing.
         let leader_id = {
             let metrics = self.server_metrics.borrow();
@@ -269,6 +284,16 @@ impl Node {
         };
         let leader_addr = leader_id.and_then(|id| self.address_of(id));
         Err(CoordinatorError::NotLeader { leader_id, leader_addr })
+    }
+
+    /// The refusal a stopping node ends its streams with: `UNAVAILABLE`, naming the node that
+    /// took over leadership from it, if it handed over, so that workers go there at once.
+    pub(crate) fn stopped(&self) -> CoordinatorError {
+        let successor = *self.successor.lock().expect("successor lock poisoned");
+        match successor.and_then(|id| self.address_of(id).map(|addr| (id, addr))) {
+            Some((id, addr)) => CoordinatorError::NotLeader { leader_id: Some(id), leader_addr: Some(addr) },
+            None => CoordinatorError::Unavailable("node is shutting down".into()),
+        }
     }
 
     /// The term this node last saw, as openraft reports it.
@@ -339,6 +364,16 @@ impl RunningNode {
     /// Stops serving, shuts Raft down and ends every task, so the store can be reopened.
     /// Open streams (workers' ownership streams) would keep a graceful gRPC shutdown waiting
     /// forever, so each task gets a short grace period and is then aborted.
+    /// Stops the way an operator's SIGTERM should: the node takes no new work; if it leads, it
+    /// hands leadership to its most caught-up follower (see [`handover`]) and waits, within
+    /// `bound`, for that follower to lead; then it stops as [`RunningNode::shutdown`] does. The
+    /// answer names the node that took over, if one did.
+    pub async fn shutdown_gracefully(self, bound: Duration) -> Option<NodeId> {
+        let successor = handover::hand_over(&self.node, bound).await;
+        self.shutdown().await;
+        successor
+    }
+
     pub async fn shutdown(self) {
         self.cancel.cancel();
         let _ = self.node.raft.shutdown().await;
@@ -417,15 +452,16 @@ where
     if let Some(differs) = created.and_then(|have| leader::config_differs(&config, have)) {
         tracing::warn!(node = config.id, "{differs}");
     }
-    let raft = Raft::new(
-        config.id,
-        Arc::new(raft_config(&config)?),
-        Network::new(config.dial_from, config.dialer.clone(), config.tls.as_ref().map(|t| t.peer_client())),
-        log_store,
-        sm.clone(),
-    )
-    .await
-    .map_err(|e| NodeError::Raft(e.to_string()))?;
+    let network =
+        Network::new(config.dial_from, config.dialer.clone(), config.tls.as_ref().map(|t| t.peer_client()));
+    let raft_config = raft_config(&config)?;
+    // How long a follower keeps trusting a silent leader (openraft's leader lease), with one
+    // heartbeat interval of margin: a handover's campaign waits this long.
+    let leader_lease =
+        Duration::from_millis(raft_config.election_timeout_max) + config.raft_heartbeat_interval;
+    let raft = Raft::new(config.id, Arc::new(raft_config), network.clone(), log_store, sm.clone())
+        .await
+        .map_err(|e| NodeError::Raft(e.to_string()))?;
 
     let first = config.peers.keys().next().copied();
     if first == Some(config.id) && !raft.is_initialized().await.map_err(|e| NodeError::Raft(e.to_string()))? {
@@ -449,6 +485,9 @@ where
         heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         server_metrics: raft.server_metrics(),
         admission: admission::Admission::new(join_limits),
+        draining: CancellationToken::new(),
+        successor: Mutex::new(None),
+        network,
     });
     let mut tasks = Vec::new();
     tasks.push(tokio::spawn(leader::run_duties(node.clone(), cancel.clone())));
@@ -461,7 +500,7 @@ where
         coordinator,
         crate::tls::admit_client(node.config.tls.is_some()),
     );
-    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft))
+    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft, leader_lease))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let transport = tonic::service::interceptor::InterceptedService::new(

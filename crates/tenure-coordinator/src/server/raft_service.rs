@@ -8,25 +8,30 @@
 use crate::codec;
 use crate::ids::NodeId;
 use crate::proto::peer::raft_transport_server::RaftTransport;
-use crate::proto::peer::RaftPayload;
+use crate::proto::peer::{CampaignRequest, CampaignResponse, RaftPayload};
 use crate::raft::{Raft, TypeConfig};
 use crate::store::check_snapshot;
+use crate::tls::Principal;
 use openraft::error::{InstallSnapshotError, RaftError};
 use openraft::raft::{InstallSnapshotRequest, InstallSnapshotResponse};
 use openraft::storage::Snapshot;
+use openraft::ServerState;
 use std::io::Cursor;
 use tonic::{Request, Response, Status};
 
 pub struct RaftService {
     raft: Raft,
+    /// How long a follower trusts a silent leader (openraft's leader lease): a vote asked
+    /// sooner is refused, so a campaign waits this long after the leader falls silent.
+    leader_lease: std::time::Duration,
     /// The snapshot being received: its id and the bytes so far. One at a time, as openraft
     /// sends them; a chunk of another snapshot, or out of order, starts over or is refused.
     receiving: tokio::sync::Mutex<Option<(String, Vec<u8>)>>,
 }
 
 impl RaftService {
-    pub fn new(raft: Raft) -> Self {
-        RaftService { raft, receiving: tokio::sync::Mutex::new(None) }
+    pub fn new(raft: Raft, leader_lease: std::time::Duration) -> Self {
+        RaftService { raft, leader_lease, receiving: tokio::sync::Mutex::new(None) }
     }
 
     async fn receive_snapshot(
@@ -95,5 +100,43 @@ impl RaftTransport for RaftService {
     async fn install_snapshot(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
         let rpc = decode(req)?;
         encode(&self.receive_snapshot(rpc).await?)
+    }
+
+    /// A stopping leader hands over: once the other followers' leases on it have run out (it
+    /// stopped sending heartbeats before asking), this node stands for election at once rather
+    /// than after its randomised election timeout. Asked by anyone but the leader this node
+    /// follows, in the term it follows it in, it refuses: a campaign is never a way to depose a
+    /// live leader.
+    async fn campaign(&self, req: Request<CampaignRequest>) -> Result<Response<CampaignResponse>, Status> {
+        if let Some(Ok(Principal::Node(caller))) = crate::tls::caller(&req) {
+            if caller != req.get_ref().leader {
+                return Err(Status::permission_denied(format!(
+                    "node {caller} may not ask for a campaign on behalf of node {}",
+                    req.get_ref().leader
+                )));
+            }
+        }
+        let CampaignRequest { leader, term } = req.into_inner();
+        let follows = move |raft: &Raft| {
+            let m = raft.metrics().borrow().clone();
+            m.current_leader == Some(leader) && m.current_term == term && m.state == ServerState::Follower
+        };
+        if !follows(&self.raft) {
+            return Err(Status::failed_precondition(format!(
+                "this node does not follow node {leader} in term {term}"
+            )));
+        }
+        let (raft, wait) = (self.raft.clone(), self.leader_lease);
+        tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            // Only if nothing happened meanwhile (another election, the leader back at work).
+            if follows(&raft) {
+                tracing::info!(leader, term, "the leader handed over: standing for election");
+                if let Err(e) = raft.trigger().elect().await {
+                    tracing::warn!(error = %e, "could not stand for election");
+                }
+            }
+        });
+        Ok(Response::new(CampaignResponse {}))
     }
 }
