@@ -66,24 +66,9 @@ fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     let dir = tempfile::tempdir().unwrap();
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let peer_ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let peers = ports
-        .iter()
-        .zip(&peer_ports)
-        .enumerate()
-        .map(|(i, (p, q))| format!("{}=127.0.0.1:{p}/127.0.0.1:{q}", i + 1))
-        .collect::<Vec<_>>()
-        .join(",");
-    // The operator's development certificates, as the README's quickstart makes them.
-    let certs = dir.path().join("certs");
-    let made = Command::new(BIN)
-        .args(["certs", "--dir"])
-        .arg(&certs)
-        .args(["--nodes", "3", "--workers", "proc-worker", "--operators", "ops"])
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let peers = peers_flag(&ports);
+    let certs = make_certs(dir.path(), "proc-worker");
     let mut children = Processes(Vec::new());
     for (i, metrics_port) in metrics.iter().enumerate() {
         let id = i + 1;
@@ -166,6 +151,26 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     assert!(body.contains("tenure_grants_total"), "counters are kept: {body}");
 }
 
+/// `--peers` for three nodes serving clients on `client_ports`, each with a free peer port.
+fn peers_flag(client_ports: &[u16]) -> String {
+    let pair = |(i, port): (usize, &u16)| format!("{}=127.0.0.1:{port}/127.0.0.1:{}", i + 1, free_port());
+    client_ports.iter().enumerate().map(pair).collect::<Vec<_>>().join(",")
+}
+
+/// The operator's development certificates, as the README's quickstart makes them: three
+/// nodes, the worker `worker` and the operator `ops`.
+fn make_certs(dir: &Path, worker: &str) -> std::path::PathBuf {
+    let certs = dir.join("certs");
+    let made = Command::new(BIN)
+        .args(["certs", "--dir"])
+        .arg(&certs)
+        .args(["--nodes", "3", "--workers", worker, "--operators", "ops"])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    certs
+}
+
 /// `tenure serve` for node `id` of the three in `peers`, with the development certificates in
 /// `certs` and its data under `dir`.
 fn serve(id: usize, peers: &str, certs: &Path, dir: &Path) -> Command {
@@ -193,18 +198,8 @@ fn serve(id: usize, peers: &str, certs: &Path, dir: &Path) -> Command {
 fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
     let dir = tempfile::tempdir().unwrap();
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let peers = (0..3)
-        .map(|i| format!("{}=127.0.0.1:{}/127.0.0.1:{}", i + 1, ports[i], free_port()))
-        .collect::<Vec<_>>()
-        .join(",");
-    let certs = dir.path().join("certs");
-    let made = Command::new(BIN)
-        .args(["certs", "--dir"])
-        .arg(&certs)
-        .args(["--nodes", "3", "--workers", "roller", "--operators", "ops"])
-        .output()
-        .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let peers = peers_flag(&ports);
+    let certs = make_certs(dir.path(), "roller");
     let mut children = Processes(Vec::new());
     for id in 1..=3 {
         children.0.push(serve(id, &peers, &certs, dir.path()).spawn().unwrap());
