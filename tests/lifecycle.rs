@@ -1,6 +1,7 @@
-//! Planned stops. A leader stopped the way SIGTERM stops it hands leadership to a follower, and
-//! no worker loses a lease or a partition over it; a follower stopped that way just leaves; the
-//! peer call a handover uses cannot depose a live leader.
+//! Planned stops and membership. A leader stopped the way SIGTERM stops it hands leadership to
+//! a follower, and no worker loses a lease or a partition over it; a follower stopped that way
+//! just leaves; the peer call a handover uses cannot depose a live leader; the membership calls
+//! are an operator's, and bad ones change nothing. (Replacing a node is in `processes.rs`.)
 
 mod common;
 
@@ -103,5 +104,72 @@ async fn a_campaign_request_cannot_depose_a_live_leader() {
     // Refused before anything was scheduled: the same leader, in the same term.
     let m = c.node(leader).unwrap().raft().metrics().borrow().clone();
     assert_eq!((m.current_leader, m.current_term), (Some(leader), term));
+    c.shutdown().await;
+}
+
+fn kind(status: &tonic::Status) -> &str {
+    status.metadata().get(tenure::server::ERROR_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn membership_calls_are_an_operators_and_bad_ones_change_nothing() {
+    use tenure::proto::operator_client::OperatorClient;
+    use tenure::proto::{AddMemberRequest, ListMembersRequest, PromoteMemberRequest, RemoveMemberRequest};
+    use tenure::tls::Principal;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.leader().unwrap();
+    let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
+    let before = eventually("the leader reports how far every member has replicated", || {
+        let mut ops = ops.clone();
+        async move {
+            let members =
+                ops.list_members(ListMembersRequest {}).await.expect("an operator lists").into_inner();
+            members.members.iter().all(|m| m.matched_index.is_some()).then_some(members)
+        }
+    })
+    .await;
+    assert_eq!(before.members.iter().filter(|m| m.voter).count(), 3, "{before:?}");
+    assert_eq!(before.leader_id, leader);
+
+    // A worker may not even look.
+    let mut worker = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w1".into())).await);
+    let err = worker.list_members(ListMembersRequest {}).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
+    let add =
+        |id: u64, addr: &str| AddMemberRequest { id, addr: addr.into(), peer_addr: "127.0.0.1:1".into() };
+    let err = worker.add_member(add(4, "127.0.0.1:2")).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
+
+    // Bad requests are refused with what is wrong.
+    let err = ops.add_member(add(0, "127.0.0.1:2")).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"));
+    for addr in ["no-port", ":7001", "host:99999", "two words:1"] {
+        let err = ops.add_member(add(4, addr)).await.unwrap_err();
+        assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"), "{addr}");
+    }
+    let err = ops.add_member(add(2, "127.0.0.1:2")).await.unwrap_err();
+    assert!(err.message().contains("never reused"), "an id in use at another address: {err:?}");
+    let err = ops.promote_member(PromoteMemberRequest { id: 9 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_member"));
+    let err = ops.remove_member(RemoveMemberRequest { id: 9 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_member"));
+    // Promoting a voter, or adding a member again as it is, changes nothing.
+    ops.promote_member(PromoteMemberRequest { id: leader }).await.expect("already a voter");
+    let same = before.members.iter().find(|m| m.id == leader).unwrap();
+    let again = AddMemberRequest { id: leader, addr: same.addr.clone(), peer_addr: same.peer_addr.clone() };
+    ops.add_member(again).await.expect("the same member again");
+    // A follower points at the leader.
+    let follower = c.ids().into_iter().find(|id| *id != leader).unwrap();
+    let mut on_follower =
+        OperatorClient::new(channel_as(&c, follower, &Principal::Operator("ops".into())).await);
+    let err = on_follower.remove_member(RemoveMemberRequest { id: follower }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::Unavailable, "not_leader"));
+
+    let after = ops.list_members(ListMembersRequest {}).await.unwrap().into_inner();
+    let ids =
+        |m: &tenure::proto::MembersResponse| m.members.iter().map(|m| (m.id, m.voter)).collect::<Vec<_>>();
+    assert_eq!(ids(&after), ids(&before), "the membership did not change");
+    assert_eq!(after.last_log_index, before.last_log_index, "nothing was appended");
     c.shutdown().await;
 }

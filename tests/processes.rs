@@ -35,8 +35,9 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
     Some(body)
 }
 
-/// `tenure ctl status` as the operator `ops` whose certificate is in `certs`.
-fn ctl_status(coordinators: &str, certs: &Path) -> Option<String> {
+/// `tenure ctl ARGS` as the operator `ops` whose certificate is in `certs`: what it printed,
+/// or what it said on failure.
+fn ctl(coordinators: &str, certs: &Path, args: &[&str]) -> Result<String, String> {
     let out = Command::new(BIN)
         .args(["ctl", "--coordinators", coordinators])
         .arg("--tls-ca")
@@ -45,10 +46,18 @@ fn ctl_status(coordinators: &str, certs: &Path) -> Option<String> {
         .arg(certs.join("operator-ops.pem"))
         .arg("--tls-key")
         .arg(certs.join("operator-ops-key.pem"))
-        .arg("status")
+        .args(args)
         .output()
-        .ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        .map_err(|e| e.to_string())?;
+    match out.status.success() {
+        true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+        false => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+    }
+}
+
+/// `tenure ctl status` as the operator `ops`.
+fn ctl_status(coordinators: &str, certs: &Path) -> Option<String> {
+    ctl(coordinators, certs, &["status"]).ok()
 }
 
 fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
@@ -68,7 +77,7 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let peers = peers_flag(&ports);
-    let certs = make_certs(dir.path(), "proc-worker");
+    let certs = make_certs(dir.path(), 3, "proc-worker");
     let mut children = Processes(Vec::new());
     for (i, metrics_port) in metrics.iter().enumerate() {
         let id = i + 1;
@@ -157,14 +166,14 @@ fn peers_flag(client_ports: &[u16]) -> String {
     client_ports.iter().enumerate().map(pair).collect::<Vec<_>>().join(",")
 }
 
-/// The operator's development certificates, as the README's quickstart makes them: three
+/// The operator's development certificates, as the README's quickstart makes them: `nodes`
 /// nodes, the worker `worker` and the operator `ops`.
-fn make_certs(dir: &Path, worker: &str) -> std::path::PathBuf {
+fn make_certs(dir: &Path, nodes: usize, worker: &str) -> std::path::PathBuf {
     let certs = dir.join("certs");
     let made = Command::new(BIN)
         .args(["certs", "--dir"])
         .arg(&certs)
-        .args(["--nodes", "3", "--workers", worker, "--operators", "ops"])
+        .args(["--nodes", &nodes.to_string(), "--workers", worker, "--operators", "ops"])
         .output()
         .unwrap();
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
@@ -199,7 +208,7 @@ fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
     let dir = tempfile::tempdir().unwrap();
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let peers = peers_flag(&ports);
-    let certs = make_certs(dir.path(), "roller");
+    let certs = make_certs(dir.path(), 3, "roller");
     let mut children = Processes(Vec::new());
     for id in 1..=3 {
         children.0.push(serve(id, &peers, &certs, dir.path()).spawn().unwrap());
@@ -255,4 +264,96 @@ fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
         assert!(!matches!(event, tenure::worker::WorkerEvent::Lost { .. }), "the worker lost {event:?}");
     }
     runtime.block_on(worker.leave()).expect("the worker leaves");
+}
+
+/// Replacing a node whose disk died, as an operator does: node 3 is killed and its data
+/// deleted; node 4 starts with `--join`, is added as a learner, promoted once it has caught up,
+/// and node 3 is removed. Node 4 then counts: with one of the two old nodes also killed, the
+/// cluster still confirms the worker's renewals, which needs node 4's vote. Throughout, the
+/// worker never loses a partition and no owner or token changes.
+#[test]
+fn a_dead_node_is_replaced_by_a_new_one_and_no_lease_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
+    let peer_ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
+    let entry = |i: usize| format!("{}=127.0.0.1:{}/127.0.0.1:{}", i + 1, ports[i], peer_ports[i]);
+    let peers_of = |n: usize| (0..n).map(entry).collect::<Vec<_>>().join(",");
+    let certs = make_certs(dir.path(), 4, "keeper");
+    let mut children = Processes(Vec::new());
+    for id in 1..=3 {
+        let child = serve(id, &peers_of(3), &certs, dir.path()).args(["--lease-ttl-ms", "2000"]).spawn();
+        children.0.push(child.unwrap());
+    }
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let everyone = addrs.join(",");
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let view_of = |id: usize| {
+        let tls = ClientTls::from_files(
+            &certs.join("ca.pem"),
+            &certs.join("operator-ops.pem"),
+            &certs.join("operator-ops-key.pem"),
+        )
+        .unwrap();
+        let client = tenure::worker::Client::new(vec![addrs[id - 1].clone()]).unwrap().with_tls(Some(tls));
+        runtime.block_on(client.status()).ok().filter(|s| s.node_id == id as u64)
+    };
+    let leaders_table = || {
+        let status = (1..=4).find_map(|id| view_of(id).filter(|s| s.leader_id == id as u64))?;
+        Some(status.partitions.iter().map(|r| (r.partition, r.owner, r.token)).collect::<Vec<_>>())
+    };
+    let mut config = WorkerConfig::new(addrs[..3].to_vec(), "keeper");
+    config.tls = Some(
+        ClientTls::from_files(
+            &certs.join("ca.pem"),
+            &certs.join("worker-keeper.pem"),
+            &certs.join("worker-keeper-key.pem"),
+        )
+        .unwrap(),
+    );
+    let mut worker = until("the worker joins", || runtime.block_on(Worker::join(config.clone())).ok());
+    let mut events = worker.events();
+    let before = until("the worker holds all 16 partitions", || {
+        leaders_table().filter(|t| {
+            t.iter().all(|(_, owner, _)| *owner == worker.session().0) && worker.owned().len() == 16
+        })
+    });
+
+    // Node 3's disk dies.
+    let node3 = &mut children.0[2];
+    node3.kill().unwrap();
+    node3.wait().unwrap();
+    std::fs::remove_dir_all(dir.path().join("n3")).unwrap();
+
+    // Its replacement joins under a new id, as a learner, then a voter; node 3 is removed.
+    children.0.push(serve(4, &peers_of(4), &certs, dir.path()).arg("--join").spawn().unwrap());
+    let added = ctl(&everyone, &certs, &["member", "add", &entry(3)]).expect("node 4 is added");
+    assert!(added.contains("4 learner"), "{added}");
+    until("node 4 is promoted once it has caught up", || {
+        ctl(&everyone, &certs, &["member", "promote", "4"]).ok()
+    });
+    let removed = ctl(&everyone, &certs, &["member", "remove", "3"]).expect("node 3 is removed");
+    assert!(!removed.contains("  3 "), "{removed}");
+    let listed = ctl(&everyone, &certs, &["member", "list"]).unwrap();
+    println!("$ tenure ctl member add {}\n{added}$ tenure ctl member list\n{listed}", entry(3));
+    for id in [1, 2, 4] {
+        assert!(listed.contains(&format!("  {id} voter")), "node {id} votes: {listed}");
+    }
+    let refused = ctl(&everyone, &certs, &["member", "remove", "3"]).unwrap_err();
+    assert!(refused.contains("not a member"), "{refused}");
+
+    // Node 4 counts: kill one of the two old nodes that does not lead; renewals need a quorum
+    // round, which now needs node 4.
+    let leader = until("a leader", || (1..=4).find_map(view_of).map(|s| s.leader_id).filter(|l| *l != 0));
+    let victim = if leader == 1 { 2 } else { 1 };
+    children.0[victim - 1].kill().unwrap();
+    let killed_at = Instant::now();
+    let after = until("the worker still renews two TTLs after the kill", || {
+        (killed_at.elapsed() > Duration::from_secs(4) && worker.owned().len() == 16)
+            .then(leaders_table)
+            .flatten()
+    });
+    assert_eq!(after, before, "no partition changed owner or token");
+    while let Ok(event) = events.try_recv() {
+        assert!(!matches!(event, tenure::worker::WorkerEvent::Lost { .. }), "the worker lost {event:?}");
+    }
 }

@@ -117,6 +117,16 @@ pub async fn api_client_as(
     id: tenure::ids::NodeId,
     principal: &tenure::tls::Principal,
 ) -> tenure::proto::coordinator_client::CoordinatorClient<tonic::transport::Channel> {
+    tenure::proto::coordinator_client::CoordinatorClient::new(channel_as(c, id, principal).await)
+}
+
+/// A connection to node `id`'s client listener holding a certificate that names `principal`
+/// (plain text on a cluster made insecure), for any service served there.
+pub async fn channel_as(
+    c: &LocalCluster,
+    id: tenure::ids::NodeId,
+    principal: &tenure::tls::Principal,
+) -> tonic::transport::Channel {
     let endpoint = match c.client_tls(principal) {
         Some(tls) => tonic::transport::Endpoint::from_shared(format!("https://{}", c.addr(id)))
             .unwrap()
@@ -124,8 +134,7 @@ pub async fn api_client_as(
             .unwrap(),
         None => tonic::transport::Endpoint::from_shared(format!("http://{}", c.addr(id))).unwrap(),
     };
-    let channel = endpoint.connect().await.expect("connects to the node");
-    tenure::proto::coordinator_client::CoordinatorClient::new(channel)
+    endpoint.connect().await.expect("connects to the node")
 }
 
 /// An operator's client of the worker API on node `id`.

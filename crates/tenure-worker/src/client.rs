@@ -239,6 +239,16 @@ impl Client {
         F: FnMut(CoordinatorClient<Channel>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
+        self.call_on(|channel| f(CoordinatorClient::new(channel))).await
+    }
+
+    /// Like [`Client::call`], for any service the nodes serve on their client listener (the
+    /// operator's, for one): `f` gets a channel to the node tried.
+    pub async fn call_on<T, F, Fut>(&self, mut f: F) -> Result<T, ClientError>
+    where
+        F: FnMut(Channel) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    {
         let mut delays = ExponentialBuilder::new()
             .with_min_delay(Duration::from_millis(20))
             .with_max_delay(Duration::from_millis(500))
@@ -277,7 +287,7 @@ impl Client {
         let mut last = String::from("no coordinator address");
         for _ in 0..hops {
             let (addr, channel) = self.channel()?;
-            match self.attempt(per_node, channel, &mut f).await {
+            match self.attempt(per_node, channel, &mut |channel| f(CoordinatorClient::new(channel))).await {
                 Ok(reply) => return Ok((addr, reply)),
                 Err(status) => {
                     self.judge(&status, &addr)?;
@@ -297,10 +307,10 @@ impl Client {
         f: &mut F,
     ) -> Result<T, tonic::Status>
     where
-        F: FnMut(CoordinatorClient<Channel>) -> Fut,
+        F: FnMut(Channel) -> Fut,
         Fut: Future<Output = Result<tonic::Response<T>, tonic::Status>>,
     {
-        match tokio::time::timeout(limit, f(CoordinatorClient::new(channel))).await {
+        match tokio::time::timeout(limit, f(channel)).await {
             Ok(answer) => answer.map(tonic::Response::into_inner),
             Err(_) => Err(tonic::Status::deadline_exceeded(format!("no answer within {limit:?}"))),
         }

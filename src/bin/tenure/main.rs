@@ -161,6 +161,10 @@ struct ServeArgs {
     /// over and stop; past it, it stops anyway.
     #[arg(long, env = "TENURE_SHUTDOWN_BOUND_MS", default_value_t = 10_000)]
     shutdown_bound_ms: u64,
+    /// Join a cluster that already exists: never initialise one, and wait to be added with
+    /// `tenure ctl member add`. A node whose disk was lost comes back this way, under a new id.
+    #[arg(long, env = "TENURE_JOIN")]
+    join: bool,
     /// Raft heartbeat interval in milliseconds (default: a fifth of the election timeout).
     #[arg(long, env = "TENURE_RAFT_HEARTBEAT_MS")]
     raft_heartbeat_ms: Option<u64>,
@@ -341,6 +345,22 @@ struct CtlArgs {
 enum CtlCommand {
     /// Members, leader, sessions and the partition table.
     Status,
+    /// The coordinator nodes themselves: list, add, promote, remove.
+    #[command(subcommand)]
+    Member(MemberCommand),
+}
+
+#[derive(Subcommand)]
+enum MemberCommand {
+    /// Every member with its role, addresses and how far it has replicated.
+    List,
+    /// Add a node as a learner, given as ID=CLIENT_ADDR/PEER_ADDR (host:port each); start it
+    /// first with `tenure serve --join`.
+    Add { member: String },
+    /// Make a learner a voter once it has caught up.
+    Promote { id: NodeId },
+    /// Remove a node (a voter or a learner).
+    Remove { id: NodeId },
 }
 
 fn parse_peer(s: &str) -> Result<(NodeId, Member), String> {
@@ -487,6 +507,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         _ => bail!("give the node its TLS material (--tls-ca, --tls-cert, --tls-key; `tenure certs` makes a development set), or --insecure to run without"),
     };
     config.gauge_refresh = Duration::from_millis(args.gauge_refresh_ms);
+    config.join_existing = args.join;
     config.validate()?;
     if let Some(addr) = args.metrics_listen {
         // Gauges the node stops setting (a worker whose session ended) leave the scrape;
@@ -588,8 +609,68 @@ async fn ctl(args: CtlArgs) -> Result<()> {
             let status = client.status().await?;
             print!("{}", demo::render_status(&status));
         }
+        CtlCommand::Member(command) => {
+            use tenure::proto::operator_client::OperatorClient;
+            use tenure::proto::{AddMemberRequest, PromoteMemberRequest, RemoveMemberRequest};
+            let members = match command {
+                MemberCommand::List => {
+                    client
+                        .call_on(|c| async move {
+                            OperatorClient::new(c).list_members(tenure::proto::ListMembersRequest {}).await
+                        })
+                        .await?
+                }
+                MemberCommand::Add { member } => {
+                    let (id, addrs) = member.split_once('=').context("expected ID=CLIENT_ADDR/PEER_ADDR")?;
+                    let (addr, peer_addr) =
+                        addrs.split_once('/').context("expected ID=CLIENT_ADDR/PEER_ADDR")?;
+                    let id: NodeId = id.trim().parse().with_context(|| format!("bad node id {id:?}"))?;
+                    let request =
+                        AddMemberRequest { id, addr: addr.trim().into(), peer_addr: peer_addr.trim().into() };
+                    client
+                        .call_on(|c| {
+                            let request = request.clone();
+                            async move { OperatorClient::new(c).add_member(request).await }
+                        })
+                        .await?
+                }
+                MemberCommand::Promote { id } => {
+                    client
+                        .call_on(|c| async move {
+                            OperatorClient::new(c).promote_member(PromoteMemberRequest { id }).await
+                        })
+                        .await?
+                }
+                MemberCommand::Remove { id } => {
+                    client
+                        .call_on(|c| async move {
+                            OperatorClient::new(c).remove_member(RemoveMemberRequest { id }).await
+                        })
+                        .await?
+                }
+            };
+            print!("{}", render_members(&members));
+        }
     }
     Ok(())
+}
+
+/// `ctl member` output: one line per member.
+fn render_members(m: &tenure::proto::MembersResponse) -> String {
+    let mut out = format!(
+        "members (answered by node {}; leader node {}; term {}; last log index {}):\n",
+        m.answered_by, m.leader_id, m.term, m.last_log_index
+    );
+    for member in &m.members {
+        let role = if member.voter { "voter" } else { "learner" };
+        let leader = if member.leader { " leader" } else { "" };
+        let matched = member.matched_index.map(|i| format!(" matched {i}")).unwrap_or_default();
+        out += &format!(
+            "  {} {role}{leader} {} (peers {}){matched}\n",
+            member.id, member.addr, member.peer_addr
+        );
+    }
+    out
 }
 
 async fn nemesis(args: NemesisArgs) -> Result<()> {

@@ -40,6 +40,15 @@ pub enum CoordinatorError {
     /// Joins arrive faster than the leader admits them; retry after a short wait.
     #[error("joins arrive faster than the {per_second} per second this leader admits; retry shortly")]
     TooManyJoins { per_second: u32 },
+    /// No member of the coordinator cluster has this id.
+    #[error("node {0} is not a member of the cluster")]
+    UnknownMember(NodeId),
+    /// A learner too far behind the leader's log to be made a voter yet.
+    #[error("node {id} is {behind} entries behind the leader; promote it once it has caught up")]
+    NotCaughtUp { id: NodeId, behind: u64 },
+    /// A membership change openraft refused (another in progress, a quorum it would break).
+    #[error("membership change refused: {0}")]
+    MembershipRefused(String),
     /// A message over the listener's size limit, refused before it was decoded.
     #[error("message too large: {0}")]
     MessageTooLarge(String),
@@ -60,6 +69,9 @@ impl CoordinatorError {
             CoordinatorError::TooManySessions { .. } => "too_many_sessions",
             CoordinatorError::TooManyJoins { .. } => "too_many_joins",
             CoordinatorError::MessageTooLarge(_) => "message_too_large",
+            CoordinatorError::UnknownMember(_) => "unknown_member",
+            CoordinatorError::NotCaughtUp { .. } => "not_caught_up",
+            CoordinatorError::MembershipRefused(_) => "membership_refused",
             CoordinatorError::NotAllowed(_) => "not_allowed",
             CoordinatorError::Rejected(r) => match r {
                 Rejection::NotConfigured => "not_configured",
@@ -86,7 +98,10 @@ impl From<CoordinatorError> for tonic::Status {
         use tonic::Code;
         let code = match &e {
             CoordinatorError::NotLeader { .. } | CoordinatorError::Unavailable(_) => Code::Unavailable,
-            CoordinatorError::SessionExpired(_) => Code::NotFound,
+            CoordinatorError::SessionExpired(_) | CoordinatorError::UnknownMember(_) => Code::NotFound,
+            CoordinatorError::NotCaughtUp { .. } | CoordinatorError::MembershipRefused(_) => {
+                Code::FailedPrecondition
+            }
             CoordinatorError::InvalidArgument(_) => Code::InvalidArgument,
             CoordinatorError::TooManyStreams { .. }
             | CoordinatorError::TooManySessions { .. }

@@ -18,6 +18,7 @@ pub mod coordinator;
 mod error;
 mod handover;
 mod leader;
+pub mod operator;
 mod raft_service;
 
 pub use admission::JoinLimits;
@@ -30,6 +31,7 @@ pub use error::{CoordinatorError, ERROR_METADATA, LEADER_METADATA};
 use crate::ids::NodeId;
 use crate::ownership::{Command, Response};
 use crate::proto::coordinator_server::CoordinatorServer;
+use crate::proto::operator_server::OperatorServer;
 use crate::proto::peer::raft_transport_server::RaftTransportServer;
 use crate::raft::network::{Network, MAX_RAFT_MESSAGE_BYTES};
 use crate::raft::Member;
@@ -84,6 +86,10 @@ pub struct NodeConfig {
     /// streams, and ownership and route streams together. One more is refused with
     /// `TooManyStreams` rather than growing without bound; subscribers cannot crowd out renewals.
     pub max_streams: usize,
+    /// This node joins a cluster that exists: it never initialises one, even as the smallest id
+    /// in `peers`, and waits for an operator to add it (`ctl member add`). A node restarted
+    /// with an empty disk must be started this way, under a new id.
+    pub join_existing: bool,
     /// This node's limits on joins when it leads (see [`JoinLimits`]).
     pub join_limits: JoinLimits,
     /// How often the per-worker gauges (`tenure_owned_partitions{worker}`) are set again. An
@@ -121,6 +127,7 @@ impl NodeConfig {
             dial_from: None,
             keep_whole_log: false,
             max_streams: 100_000,
+            join_existing: false,
             join_limits: JoinLimits::default(),
             gauge_refresh: Duration::from_secs(10),
             dialer: tenure_worker::transport::Dialer::tcp(),
@@ -464,7 +471,10 @@ where
         .map_err(|e| NodeError::Raft(e.to_string()))?;
 
     let first = config.peers.keys().next().copied();
-    if first == Some(config.id) && !raft.is_initialized().await.map_err(|e| NodeError::Raft(e.to_string()))? {
+    if first == Some(config.id)
+        && !config.join_existing
+        && !raft.is_initialized().await.map_err(|e| NodeError::Raft(e.to_string()))?
+    {
         if let Err(e) = raft.initialize(config.peers.clone()).await {
             tracing::info!(error = %e, "cluster already initialised");
         }
@@ -498,6 +508,12 @@ where
         .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES);
     let coordinator = tonic::service::interceptor::InterceptedService::new(
         coordinator,
+        crate::tls::admit_client(node.config.tls.is_some()),
+    );
+    let operator = OperatorServer::new(operator::OperatorService { node: node.clone() })
+        .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES);
+    let operator = tonic::service::interceptor::InterceptedService::new(
+        operator,
         crate::tls::admit_client(node.config.tls.is_some()),
     );
     let transport = RaftTransportServer::new(raft_service::RaftService::new(raft, leader_lease))
@@ -541,6 +557,7 @@ where
             .http2_keepalive_interval(Some(KEEPALIVE_INTERVAL))
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(coordinator)
+            .add_service(operator)
             .serve_with_incoming_shutdown(clients.connections, shutdown.cancelled_owned())
             .await;
         if let Err(e) = result {

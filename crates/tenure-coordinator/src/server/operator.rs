@@ -1,0 +1,197 @@
+//! The operator's service: the coordinator cluster's own membership, so that a node whose disk
+//! died or whose address changed can be replaced without stopping the cluster.
+//!
+//! A node is added as a learner (it receives the log, or a snapshot, and votes in nothing),
+//! promoted to a voter only once it holds nearly all of the log, and removed by a membership
+//! change that openraft commits through joint consensus. Node ids are never reused: a
+//! replacement gets a new id, so a node restarted empty can never answer for votes it forgot.
+//!
+//! Every call needs an operator's certificate (or an insecure cluster); changes need the
+//! leader, and a refused change changes nothing.
+
+use super::{CoordinatorError, Node};
+use crate::ids::NodeId;
+use crate::proto;
+use crate::proto::operator_server::Operator;
+use crate::raft::Member;
+use crate::tls::{Caller, Principal};
+use openraft::error::{ClientWriteError, RaftError};
+use openraft::ChangeMembers;
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use tonic::{Request, Response, Status};
+
+/// How far behind the leader's log a learner may be and still be promoted: a voter that lags
+/// further would slow every commit that needs it while it catches up.
+pub const MAX_PROMOTION_LAG: u64 = 64;
+
+pub struct OperatorService {
+    pub(crate) node: Arc<Node>,
+}
+
+/// Only operators may call (workers have their own service); an insecure cluster checks nobody.
+fn operators_only<T>(req: &Request<T>) -> Result<(), CoordinatorError> {
+    match Caller::of(req).0 {
+        None | Some(Principal::Operator(_)) => Ok(()),
+        Some(other) => Err(CoordinatorError::NotAllowed(format!(
+            "{other} may not call the operator service: only operators may"
+        ))),
+    }
+}
+
+/// `host:port` with a non-empty host and a numeric port: what a peer can dial (an IP literal
+/// or a host name).
+fn check_addr(what: &str, addr: &str) -> Result<(), CoordinatorError> {
+    let valid = addr.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty() && !host.contains(char::is_whitespace) && port.parse::<u16>().is_ok()
+    });
+    if valid {
+        Ok(())
+    } else {
+        Err(CoordinatorError::InvalidArgument(format!("{what} {addr:?} is not host:port")))
+    }
+}
+
+/// A membership change refused or failed: the leader's address if this node is not it.
+fn change_failed(e: RaftError<NodeId, ClientWriteError<NodeId, Member>>) -> CoordinatorError {
+    match e {
+        RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => CoordinatorError::NotLeader {
+            leader_id: f.leader_id,
+            leader_addr: f.leader_node.map(|n| n.client_addr),
+        },
+        RaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => {
+            CoordinatorError::MembershipRefused(e.to_string())
+        }
+        other => CoordinatorError::Unavailable(other.to_string()),
+    }
+}
+
+impl OperatorService {
+    /// The membership as this node knows it, with how far each member has replicated when
+    /// this node leads.
+    fn members(&self) -> proto::MembersResponse {
+        let m = self.node.raft.metrics().borrow().clone();
+        let membership = m.membership_config.membership();
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        let matched = |id: &NodeId| {
+            if *id == self.node.config.id {
+                return m.last_log_index;
+            }
+            m.replication.as_ref().and_then(|r| r.get(id).cloned().flatten()).map(|l| l.index)
+        };
+        let members = membership
+            .nodes()
+            .map(|(id, node)| proto::MemberStatus {
+                id: *id,
+                addr: node.client_addr.clone(),
+                peer_addr: node.peer_addr.clone(),
+                voter: voters.contains(id),
+                leader: m.current_leader == Some(*id),
+                matched_index: if m.replication.is_some() { matched(id) } else { None },
+            })
+            .collect();
+        proto::MembersResponse {
+            members,
+            leader_id: m.current_leader.unwrap_or(0),
+            term: m.current_term,
+            last_log_index: m.last_log_index.unwrap_or(0),
+            answered_by: self.node.config.id,
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl Operator for OperatorService {
+    async fn list_members(
+        &self,
+        req: Request<proto::ListMembersRequest>,
+    ) -> Result<Response<proto::MembersResponse>, Status> {
+        operators_only(&req)?;
+        Ok(Response::new(self.members()))
+    }
+
+    async fn add_member(
+        &self,
+        req: Request<proto::AddMemberRequest>,
+    ) -> Result<Response<proto::MembersResponse>, Status> {
+        operators_only(&req)?;
+        let req = req.into_inner();
+        if req.id == 0 {
+            return Err(CoordinatorError::InvalidArgument("node ids start at 1".into()).into());
+        }
+        check_addr("client address", &req.addr)?;
+        check_addr("peer address", &req.peer_addr)?;
+        self.node.ensure_leader()?;
+        let member = Member { peer_addr: req.peer_addr, client_addr: req.addr };
+        let known =
+            self.node.raft.metrics().borrow().membership_config.membership().get_node(&req.id).cloned();
+        match known {
+            // Asked again (an operator's retry): nothing to do.
+            Some(have) if have == member => return Ok(Response::new(self.members())),
+            Some(have) => {
+                return Err(CoordinatorError::InvalidArgument(format!(
+                    "node {} is already a member at {have}; ids are never reused, give the new node another",
+                    req.id
+                ))
+                .into())
+            }
+            None => {}
+        }
+        tracing::info!(node = req.id, %member, "adding a learner");
+        self.node.raft.add_learner(req.id, member, false).await.map_err(change_failed)?;
+        Ok(Response::new(self.members()))
+    }
+
+    async fn promote_member(
+        &self,
+        req: Request<proto::PromoteMemberRequest>,
+    ) -> Result<Response<proto::MembersResponse>, Status> {
+        operators_only(&req)?;
+        let id = req.into_inner().id;
+        self.node.ensure_leader()?;
+        let m = self.node.raft.metrics().borrow().clone();
+        let membership = m.membership_config.membership();
+        if membership.get_node(&id).is_none() {
+            return Err(CoordinatorError::UnknownMember(id).into());
+        }
+        if membership.voter_ids().any(|v| v == id) {
+            return Ok(Response::new(self.members()));
+        }
+        let matched = m.replication.as_ref().and_then(|r| r.get(&id).cloned().flatten()).map(|l| l.index);
+        let last = m.last_log_index.unwrap_or(0);
+        let behind = matched.map_or(last, |i| last.saturating_sub(i));
+        if matched.is_none() || behind > MAX_PROMOTION_LAG {
+            return Err(CoordinatorError::NotCaughtUp { id, behind }.into());
+        }
+        tracing::info!(node = id, "promoting a learner to voter");
+        let change = ChangeMembers::AddVoterIds(BTreeSet::from([id]));
+        self.node.raft.change_membership(change, false).await.map_err(change_failed)?;
+        Ok(Response::new(self.members()))
+    }
+
+    async fn remove_member(
+        &self,
+        req: Request<proto::RemoveMemberRequest>,
+    ) -> Result<Response<proto::MembersResponse>, Status> {
+        operators_only(&req)?;
+        let id = req.into_inner().id;
+        self.node.ensure_leader()?;
+        let membership = self.node.raft.metrics().borrow().membership_config.membership().clone();
+        if membership.get_node(&id).is_none() {
+            return Err(CoordinatorError::UnknownMember(id).into());
+        }
+        let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+        let change = if voters.contains(&id) {
+            if voters.len() == 1 {
+                let why = format!("node {id} is the only voter; add another before removing it");
+                return Err(CoordinatorError::MembershipRefused(why).into());
+            }
+            ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+        } else {
+            ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+        };
+        tracing::info!(node = id, "removing a member");
+        self.node.raft.change_membership(change, false).await.map_err(change_failed)?;
+        Ok(Response::new(self.members()))
+    }
+}
