@@ -585,3 +585,47 @@ async fn a_megabyte_name_is_invalid_and_an_oversized_message_is_resource_exhaust
     assert_eq!(tokens(&after), tokens(&before), "nothing changed");
     c.shutdown().await;
 }
+
+/// One client (one certificate's principal) holds at most its share of a node's streams, over
+/// however many connections: a leak in one worker cannot use up the node's budget, and
+/// another worker still gets its streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_take_every_stream_of_a_node() {
+    use tenure::tls::Principal;
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let c = tenure::local_cluster::LocalCluster::start(3, dir.path(), |cfg| {
+        fast(cfg);
+        cfg.max_streams_per_client = 2;
+    })
+    .await
+    .unwrap();
+    let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let w1 = Principal::Worker("w1".into());
+    let mut greedy = api_client_as(&c, leader, &w1).await;
+    let held = [
+        greedy.routes(proto::RoutesRequest {}).await.expect("first stream"),
+        greedy.routes(proto::RoutesRequest {}).await.expect("second stream"),
+    ];
+    let err = greedy.routes(proto::RoutesRequest {}).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_client_streams"));
+    assert!(err.message().contains('2'), "the message names the limit: {}", err.message());
+    // Heartbeat streams count against the same share.
+    let beat = proto::HeartbeatRequest { session_id: 999, secret: "x".into(), ..Default::default() };
+    let err = greedy.heartbeats(tokio_stream::iter([beat])).await.unwrap_err();
+    assert_eq!(kind(&err), "too_many_client_streams");
+    // Another connection under the same certificate is the same client.
+    let mut again = api_client_as(&c, leader, &w1).await;
+    let err = again.routes(proto::RoutesRequest {}).await.unwrap_err();
+    assert_eq!(kind(&err), "too_many_client_streams");
+    // Another worker is not crowded out.
+    let mut other = api_client_as(&c, leader, &Principal::Worker("w2".into())).await;
+    other.routes(proto::RoutesRequest {}).await.expect("w2 gets a stream");
+    drop(held);
+    eventually("w1's places are free again once its streams close", || {
+        let mut greedy = greedy.clone();
+        async move { greedy.routes(proto::RoutesRequest {}).await.ok() }
+    })
+    .await;
+    c.shutdown().await;
+}

@@ -74,7 +74,9 @@ impl ClientError {
             "partition_out_of_range" => ClientError::PartitionOutOfRange(msg),
             "invalid_argument" | "invalid_name" | "invalid_weight" => ClientError::InvalidArgument(msg),
             "not_allowed" => ClientError::NotAllowed(msg),
-            "too_many_sessions" | "message_too_large" => ClientError::LimitReached(msg),
+            "too_many_sessions" | "message_too_large" | "too_many_client_streams" => {
+                ClientError::LimitReached(msg)
+            }
             "unauthenticated" => ClientError::Unauthenticated(msg),
             // A join refused by the leader's rate passes on a later try: the call retries it.
             "not_leader" | "unavailable" | "not_configured" | "too_many_streams" | "too_many_joins" => {

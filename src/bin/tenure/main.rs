@@ -182,6 +182,10 @@ struct ServeArgs {
     /// more are refused.
     #[arg(long, env = "TENURE_MAX_STREAMS", default_value_t = 100_000)]
     max_streams: usize,
+    /// Most streams one client (one certificate's principal) may hold open on this node; more
+    /// are refused (RESOURCE_EXHAUSTED).
+    #[arg(long, env = "TENURE_MAX_STREAMS_PER_CLIENT", default_value_t = 64)]
+    max_streams_per_client: usize,
     /// Most workers with a session, cluster-wide, when this node leads; a new name beyond it is
     /// refused (RESOURCE_EXHAUSTED) until one leaves.
     #[arg(long, env = "TENURE_MAX_SESSIONS", default_value_t = JoinLimits::default().max_sessions)]
@@ -493,6 +497,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
     config.dial_from = args.dial_from;
     config.keep_whole_log = args.keep_whole_log;
     config.max_streams = args.max_streams;
+    config.max_streams_per_client = args.max_streams_per_client;
     config.join_limits = JoinLimits {
         max_sessions: args.max_sessions,
         joins_per_second: args.joins_per_second,

@@ -316,7 +316,7 @@ impl Coordinator for CoordinatorService {
         req: Request<tonic::Streaming<proto::HeartbeatRequest>>,
     ) -> Result<Response<HeartbeatsStream>, Status> {
         self.node.ensure_leader()?;
-        let permit = self.node.stream_permit(true)?;
+        let permit = self.node.stream_permit(true, &Caller::of(&req))?;
         // Two of the cluster's TTLs (which win over this node's own setting): a stream silent
         // that long belongs to a session that has expired anyway.
         let idle = {
@@ -444,7 +444,7 @@ impl Coordinator for CoordinatorService {
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
             (applied.state.owned_by(session), index)
         };
-        let permit = self.node.stream_permit(false)?;
+        let permit = self.node.stream_permit(false, &caller)?;
         let (tx, rx) = mpsc::channel(1024);
         let service = CoordinatorService { node: self.node.clone() };
         tokio::spawn(async move {
@@ -526,9 +526,9 @@ impl Coordinator for CoordinatorService {
 
     type RoutesStream = RoutesStream;
 
-    async fn routes(&self, _req: Request<proto::RoutesRequest>) -> Result<Response<RoutesStream>, Status> {
+    async fn routes(&self, req: Request<proto::RoutesRequest>) -> Result<Response<RoutesStream>, Status> {
         self.node.ensure_leader()?;
-        let permit = self.node.stream_permit(false)?;
+        let permit = self.node.stream_permit(false, &Caller::of(&req))?;
         let mut events = self.node.sm.subscribe();
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");

@@ -40,6 +40,9 @@ pub enum CoordinatorError {
     /// Joins arrive faster than the leader admits them; retry after a short wait.
     #[error("joins arrive faster than the {per_second} per second this leader admits; retry shortly")]
     TooManyJoins { per_second: u32 },
+    /// This client already holds as many streams on this node as one client may.
+    #[error("this client already holds its limit of {limit} streams on this node")]
+    TooManyClientStreams { limit: usize },
     /// No member of the coordinator cluster has this id.
     #[error("node {0} is not a member of the cluster")]
     UnknownMember(NodeId),
@@ -70,6 +73,7 @@ impl CoordinatorError {
             CoordinatorError::TooManyJoins { .. } => "too_many_joins",
             CoordinatorError::MessageTooLarge(_) => "message_too_large",
             CoordinatorError::UnknownMember(_) => "unknown_member",
+            CoordinatorError::TooManyClientStreams { .. } => "too_many_client_streams",
             CoordinatorError::NotCaughtUp { .. } => "not_caught_up",
             CoordinatorError::MembershipRefused(_) => "membership_refused",
             CoordinatorError::NotAllowed(_) => "not_allowed",
@@ -106,7 +110,8 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::TooManyStreams { .. }
             | CoordinatorError::TooManySessions { .. }
             | CoordinatorError::TooManyJoins { .. }
-            | CoordinatorError::MessageTooLarge(_) => Code::ResourceExhausted,
+            | CoordinatorError::MessageTooLarge(_)
+            | CoordinatorError::TooManyClientStreams { .. } => Code::ResourceExhausted,
             CoordinatorError::Unauthenticated(_) => Code::Unauthenticated,
             CoordinatorError::NotAllowed(_) => Code::PermissionDenied,
             CoordinatorError::Rejected(r) => match r {

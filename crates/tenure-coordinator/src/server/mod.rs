@@ -37,6 +37,7 @@ use crate::raft::network::{Network, MAX_RAFT_MESSAGE_BYTES};
 use crate::raft::Member;
 use crate::raft::Raft;
 use crate::store::{LogStore, SharedState, StateMachineStore};
+use crate::tls::Caller;
 use openraft::error::{ClientWriteError, RaftError};
 use openraft::{ServerState, SnapshotPolicy};
 use std::collections::BTreeMap;
@@ -90,6 +91,11 @@ pub struct NodeConfig {
     /// in `peers`, and waits for an operator to add it (`ctl member add`). A node restarted
     /// with an empty disk must be started this way, under a new id.
     pub join_existing: bool,
+    /// Most streams (of all kinds together) one client may hold open on this node, counted by
+    /// the principal its certificate names; one more is refused with `TooManyClientStreams`, so
+    /// one worker's leak cannot use up the node's `max_streams`. Unauthenticated clients of an
+    /// insecure cluster have no identity and are not counted.
+    pub max_streams_per_client: usize,
     /// This node's limits on joins when it leads (see [`JoinLimits`]).
     pub join_limits: JoinLimits,
     /// How often the per-worker gauges (`tenure_owned_partitions{worker}`) are set again. An
@@ -128,6 +134,7 @@ impl NodeConfig {
             keep_whole_log: false,
             max_streams: 100_000,
             join_existing: false,
+            max_streams_per_client: 64,
             join_limits: JoinLimits::default(),
             gauge_refresh: Duration::from_secs(10),
             dialer: tenure_worker::transport::Dialer::tcp(),
@@ -183,6 +190,9 @@ impl NodeConfig {
         if self.gauge_refresh.is_zero() {
             return bad("the gauge refresh period must be positive".to_string());
         }
+        if self.max_streams_per_client == 0 {
+            return bad("the per-client stream limit must be positive".to_string());
+        }
         let limits = &self.join_limits;
         if limits.max_sessions == 0 || limits.joins_per_second == 0 || limits.join_burst == 0 {
             return bad(format!(
@@ -213,6 +223,30 @@ pub(crate) struct PendingRenewal {
     pub reply: tokio::sync::oneshot::Sender<Result<Vec<(u32, u64)>, CoordinatorError>>,
 }
 
+/// One open stream's place in the node's budget and in its client's.
+pub(crate) struct StreamPermit {
+    _node: tokio::sync::OwnedSemaphorePermit,
+    _client: Option<ClientStream>,
+}
+
+/// One stream counted against a client principal; uncounted when dropped.
+struct ClientStream {
+    key: String,
+    open: Arc<Mutex<std::collections::HashMap<String, usize>>>,
+}
+
+impl Drop for ClientStream {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().expect("stream count lock poisoned");
+        if let Some(count) = open.get_mut(&self.key) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// The parts of a running node that its services share.
 pub struct Node {
     pub config: NodeConfig,
@@ -231,6 +265,9 @@ pub struct Node {
     pub(crate) streams: Arc<tokio::sync::Semaphore>,
     /// One permit per open heartbeat stream.
     pub(crate) heartbeat_streams: Arc<tokio::sync::Semaphore>,
+    /// Open streams per client principal (see [`NodeConfig::max_streams_per_client`]); a name
+    /// leaves the map when its last stream closes.
+    pub(crate) client_streams: Arc<Mutex<std::collections::HashMap<String, usize>>>,
     /// The session cap and join rate this node enforces while it leads.
     pub(crate) admission: admission::Admission,
     /// Fires when a graceful stop begins: the node takes no new work from then on (every call
@@ -261,16 +298,34 @@ impl Node {
     }
 
     /// A permit for one more ownership or route stream (`heartbeats: false`) or heartbeat
-    /// stream, held for as long as the stream is served.
+    /// stream for `caller`, held for as long as the stream is served: within the caller's own
+    /// limit first, then the node's.
     pub(crate) fn stream_permit(
         &self,
         heartbeats: bool,
-    ) -> Result<tokio::sync::OwnedSemaphorePermit, CoordinatorError> {
+        caller: &Caller,
+    ) -> Result<StreamPermit, CoordinatorError> {
+        let client = match &caller.0 {
+            Some(principal) => {
+                let key = principal.to_string();
+                let limit = self.config.max_streams_per_client;
+                let mut open = self.client_streams.lock().expect("stream count lock poisoned");
+                let count = open.entry(key.clone()).or_default();
+                if *count >= limit {
+                    return Err(CoordinatorError::TooManyClientStreams { limit });
+                }
+                *count += 1;
+                Some(ClientStream { key, open: self.client_streams.clone() })
+            }
+            None => None,
+        };
         let budget = if heartbeats { &self.heartbeat_streams } else { &self.streams };
-        budget
+        // On refusal `client` is dropped here, which gives the caller's place back.
+        let node = budget
             .clone()
             .try_acquire_owned()
-            .map_err(|_| CoordinatorError::TooManyStreams { limit: self.config.max_streams })
+            .map_err(|_| CoordinatorError::TooManyStreams { limit: self.config.max_streams })?;
+        Ok(StreamPermit { _node: node, _client: client })
     }
 
     /// Fails with `NotLeader` (and the leader's address) unless this node leads.
@@ -493,6 +548,7 @@ where
         stopping: cancel.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
+        client_streams: Arc::default(),
         server_metrics: raft.server_metrics(),
         admission: admission::Admission::new(join_limits),
         draining: CancellationToken::new(),
