@@ -1,7 +1,8 @@
 //! Planned stops and membership. A leader stopped the way SIGTERM stops it hands leadership to
 //! a follower, and no worker loses a lease or a partition over it; a follower stopped that way
 //! just leaves; the peer call a handover uses cannot depose a live leader; the membership calls
-//! are an operator's, and bad ones change nothing. (Replacing a node is in `processes.rs`.)
+//! are an operator's, and bad ones change nothing; health follows what a node knows, and
+//! reflection lists the API. (Replacing a node is in `processes.rs`.)
 
 mod common;
 
@@ -171,5 +172,78 @@ async fn membership_calls_are_an_operators_and_bad_ones_change_nothing() {
         |m: &tenure::proto::MembersResponse| m.members.iter().map(|m| (m.id, m.voter)).collect::<Vec<_>>();
     assert_eq!(ids(&after), ids(&before), "the membership did not change");
     assert_eq!(after.last_log_index, before.last_log_index, "nothing was appended");
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_follows_what_a_node_knows_and_reflection_lists_the_api() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_reflection::pb::v1::server_reflection_client::ServerReflectionClient;
+    use tonic_reflection::pb::v1::server_reflection_request::MessageRequest;
+    use tonic_reflection::pb::v1::server_reflection_response::MessageResponse;
+    use tonic_reflection::pb::v1::ServerReflectionRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let mut c = cluster(dir.path()).await;
+    let ops = tenure::tls::Principal::Operator("ops".into());
+    let status_of = |channel: tonic::transport::Channel, service: &'static str| async move {
+        let request = HealthCheckRequest { service: service.into() };
+        let answer = HealthClient::new(channel).check(request).await.ok()?;
+        ServingStatus::try_from(answer.into_inner().status).ok()
+    };
+    for id in c.ids() {
+        let channel = channel_as(&c, id, &ops).await;
+        for service in ["", "tenure.v1.Coordinator"] {
+            eventually(&format!("node {id} serves {service:?}"), || {
+                let channel = channel.clone();
+                async move { (status_of(channel, service).await == Some(ServingStatus::Serving)).then_some(()) }
+            })
+            .await;
+        }
+    }
+
+    // Reflection names every service, so grpcurl can list and call them.
+    let channel = channel_as(&c, c.leader().unwrap(), &ops).await;
+    let list = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::ListServices(String::new())),
+    };
+    let mut answers = ServerReflectionClient::new(channel)
+        .server_reflection_info(tokio_stream::iter([list]))
+        .await
+        .expect("reflection answers")
+        .into_inner();
+    let answer = answers.message().await.unwrap().expect("one answer");
+    let names: Vec<String> = match answer.message_response {
+        Some(MessageResponse::ListServicesResponse(list)) => {
+            list.service.into_iter().map(|s| s.name).collect()
+        }
+        other => panic!("not a list of services: {other:?}"),
+    };
+    for service in ["tenure.v1.Coordinator", "tenure.v1.Operator", "grpc.health.v1.Health"] {
+        assert!(names.iter().any(|n| n == service), "{service} is not listed: {names:?}");
+    }
+
+    // A node cut off from every other one loses its leader and says so.
+    let leader = c.leader().unwrap();
+    let survivor = c.ids().into_iter().find(|id| *id != leader).unwrap();
+    let channel = channel_as(&c, survivor, &ops).await;
+    for id in c.ids().into_iter().filter(|id| *id != survivor) {
+        c.stop(id).await;
+    }
+    eventually("the lone node reports NOT_SERVING", || {
+        let channel = channel.clone();
+        async move { (status_of(channel, "").await == Some(ServingStatus::NotServing)).then_some(()) }
+    })
+    .await;
+    for id in c.ids().into_iter().filter(|id| *id != survivor) {
+        c.restart(id).await.expect("restarts");
+    }
+    eventually("it serves again once there is a leader", || {
+        let channel = channel.clone();
+        async move { (status_of(channel, "").await == Some(ServingStatus::Serving)).then_some(()) }
+    })
+    .await;
     c.shutdown().await;
 }

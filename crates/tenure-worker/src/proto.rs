@@ -6,6 +6,9 @@
 #![allow(clippy::all, missing_docs)]
 tonic::include_proto!("tenure.v1");
 
+/// The encoded descriptors of `proto/tenure.proto`, for gRPC reflection.
+pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("tenure_descriptor");
+
 /// Metadata key carrying the leader's address on a "not the leader" error.
 pub const LEADER_METADATA: &str = "tenure-leader";
 /// Metadata key carrying the error's kind (`unknown_session`, `wrong_secret`, ...), so clients

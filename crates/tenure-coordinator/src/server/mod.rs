@@ -17,6 +17,7 @@ mod admission;
 pub mod coordinator;
 mod error;
 mod handover;
+pub mod health;
 mod leader;
 pub mod operator;
 mod raft_service;
@@ -566,6 +567,15 @@ where
         coordinator,
         crate::tls::admit_client(node.config.tls.is_some()),
     );
+    // Health and reflection are gated by the listener's TLS handshake alone: any certificate
+    // of the cluster's CA may probe the node or list the API.
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    tasks.push(tokio::spawn(health::report(node.clone(), health_reporter, cancel.clone())));
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| NodeError::Config(format!("gRPC reflection: {e}")))?;
     let operator = OperatorServer::new(operator::OperatorService { node: node.clone() })
         .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES);
     let operator = tonic::service::interceptor::InterceptedService::new(
@@ -614,6 +624,8 @@ where
             .http2_keepalive_timeout(Some(KEEPALIVE_TIMEOUT))
             .add_service(coordinator)
             .add_service(operator)
+            .add_service(health_service)
+            .add_service(reflection)
             .serve_with_incoming_shutdown(clients.connections, shutdown.cancelled_owned())
             .await;
         if let Err(e) = result {
