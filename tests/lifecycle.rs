@@ -247,3 +247,64 @@ async fn health_follows_what_a_node_knows_and_reflection_lists_the_api() {
     .await;
     c.shutdown().await;
 }
+
+/// `ctl drain`: an operator ends a worker's session the way its own leave would. Its partitions
+/// are revoked and, given back by the worker, go to the other worker; the session then ends and
+/// the worker is told; nothing is lost and the other worker's partitions keep their tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_drain_moves_a_workers_partitions_gracefully_and_ends_its_session() {
+    use tenure::proto::operator_client::OperatorClient;
+    use tenure::proto::DrainRequest;
+    use tenure::tls::Principal;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.leader().unwrap();
+    let mut w1 = worker(&c, "w1").await;
+    let w2 = worker(&c, "w2").await;
+    let mut events = w1.events();
+    settled(&c, 2).await;
+    let before = workers_agree(&c, &[&w1, &w2]).await;
+    while events.try_recv().is_ok() {} // what the join of w2 took from w1 is over
+    let held_by_w1: Vec<u32> =
+        before.partitions.iter().filter(|r| r.owner == w1.session().0).map(|r| r.partition).collect();
+
+    let mut worker_cert = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w2".into())).await);
+    let err = worker_cert.drain(DrainRequest { name: "w1".into() }).await.unwrap_err();
+    assert_eq!(
+        (err.code(), kind(&err)),
+        (Code::PermissionDenied, "not_allowed"),
+        "a worker may not drain another"
+    );
+    let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
+    let err = ops.drain(DrainRequest { name: "nobody".into() }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_worker"));
+
+    let drained = ops.drain(DrainRequest { name: "w1".into() }).await.expect("w1 is drained").into_inner();
+    assert_eq!(drained.sessions, vec![w1.session().0]);
+    // w1 does what an application does: gives back each partition it is asked for.
+    let (mut released, mut ended) = (Vec::new(), false);
+    while !ended {
+        let event =
+            tokio::time::timeout(PATIENCE, events.recv()).await.expect("an event").expect("the stream lives");
+        match event {
+            WorkerEvent::Revoking { partition, .. } => w1.release(&[partition]).await.expect("released"),
+            WorkerEvent::Released { partition, .. } => released.push(partition.0),
+            WorkerEvent::SessionEnded { .. } => ended = true,
+            WorkerEvent::Lost { .. } => panic!("w1 lost a partition while being drained: {event:?}"),
+            WorkerEvent::Assigned(_) => {}
+        }
+    }
+    released.sort();
+    assert_eq!(released, held_by_w1, "every partition w1 held was given back, none expired");
+    let after = settled(&c, 1).await;
+    assert!(after.partitions.iter().all(|r| r.owner == w2.session().0), "w2 owns the table");
+    for row in before.partitions.iter().filter(|r| r.owner == w2.session().0) {
+        assert_eq!(
+            tokens(&after)[&row.partition],
+            (row.owner, row.token),
+            "w2 kept partition {}",
+            row.partition
+        );
+    }
+    c.shutdown().await;
+}

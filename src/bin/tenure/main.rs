@@ -352,6 +352,8 @@ enum CtlCommand {
     /// The coordinator nodes themselves: list, add, promote, remove.
     #[command(subcommand)]
     Member(MemberCommand),
+    /// Move everything off a worker gracefully, then end its session (as its own leave would).
+    Drain { name: String },
 }
 
 #[derive(Subcommand)]
@@ -613,6 +615,20 @@ async fn ctl(args: CtlArgs) -> Result<()> {
         CtlCommand::Status => {
             let status = client.status().await?;
             print!("{}", demo::render_status(&status));
+        }
+        CtlCommand::Drain { name } => {
+            use tenure::proto::operator_client::OperatorClient;
+            let request = tenure::proto::DrainRequest { name: name.clone() };
+            let drained = client
+                .call_on(|c| {
+                    let request = request.clone();
+                    async move { OperatorClient::new(c).drain(request).await }
+                })
+                .await?;
+            println!(
+                "draining {name}: sessions {:?} are leaving; their partitions move as they are given back",
+                drained.sessions
+            );
         }
         CtlCommand::Member(command) => {
             use tenure::proto::operator_client::OperatorClient;

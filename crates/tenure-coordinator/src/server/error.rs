@@ -43,6 +43,9 @@ pub enum CoordinatorError {
     /// This client already holds as many streams on this node as one client may.
     #[error("this client already holds its limit of {limit} streams on this node")]
     TooManyClientStreams { limit: usize },
+    /// No live session has this worker name.
+    #[error("no worker named {0:?} has a live session")]
+    UnknownWorker(String),
     /// No member of the coordinator cluster has this id.
     #[error("node {0} is not a member of the cluster")]
     UnknownMember(NodeId),
@@ -73,6 +76,7 @@ impl CoordinatorError {
             CoordinatorError::TooManyJoins { .. } => "too_many_joins",
             CoordinatorError::MessageTooLarge(_) => "message_too_large",
             CoordinatorError::UnknownMember(_) => "unknown_member",
+            CoordinatorError::UnknownWorker(_) => "unknown_worker",
             CoordinatorError::TooManyClientStreams { .. } => "too_many_client_streams",
             CoordinatorError::NotCaughtUp { .. } => "not_caught_up",
             CoordinatorError::MembershipRefused(_) => "membership_refused",
@@ -102,7 +106,9 @@ impl From<CoordinatorError> for tonic::Status {
         use tonic::Code;
         let code = match &e {
             CoordinatorError::NotLeader { .. } | CoordinatorError::Unavailable(_) => Code::Unavailable,
-            CoordinatorError::SessionExpired(_) | CoordinatorError::UnknownMember(_) => Code::NotFound,
+            CoordinatorError::SessionExpired(_)
+            | CoordinatorError::UnknownMember(_)
+            | CoordinatorError::UnknownWorker(_) => Code::NotFound,
             CoordinatorError::NotCaughtUp { .. } | CoordinatorError::MembershipRefused(_) => {
                 Code::FailedPrecondition
             }

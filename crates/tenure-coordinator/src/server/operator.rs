@@ -10,7 +10,8 @@
 //! leader, and a refused change changes nothing.
 
 use super::{CoordinatorError, Node};
-use crate::ids::NodeId;
+use crate::ids::{NodeId, SessionId};
+use crate::ownership::{Command, SecretHash};
 use crate::proto;
 use crate::proto::operator_server::Operator;
 use crate::raft::Member;
@@ -167,6 +168,34 @@ impl Operator for OperatorService {
         let change = ChangeMembers::AddVoterIds(BTreeSet::from([id]));
         self.node.raft.change_membership(change, false).await.map_err(change_failed)?;
         Ok(Response::new(self.members()))
+    }
+
+    async fn drain(
+        &self,
+        req: Request<proto::DrainRequest>,
+    ) -> Result<Response<proto::DrainResponse>, Status> {
+        operators_only(&req)?;
+        let name = req.into_inner().name;
+        self.node.ensure_leader()?;
+        // The very command the worker's own leave proposes, under the secret hash the table
+        // keeps: an operator's drain takes the same path through apply as a leave.
+        let live: Vec<(SessionId, SecretHash)> = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            let sessions = applied.state.sessions();
+            sessions
+                .iter()
+                .filter(|(_, r)| r.name == name && !r.leaving)
+                .map(|(id, r)| (*id, r.secret))
+                .collect()
+        };
+        if live.is_empty() {
+            return Err(CoordinatorError::UnknownWorker(name).into());
+        }
+        for (session, secret) in &live {
+            tracing::info!(worker = %name, %session, "draining at an operator's request");
+            self.node.propose(Command::Leave { session: *session, secret: *secret }).await?;
+        }
+        Ok(Response::new(proto::DrainResponse { sessions: live.iter().map(|(id, _)| id.0).collect() }))
     }
 
     async fn remove_member(

@@ -68,6 +68,42 @@ impl Coordinators {
         }
     }
 
+    /// A planned stop, as an operator's SIGTERM: a leader hands over first. Says how it went.
+    pub(crate) async fn stop_gracefully(&mut self, id: NodeId) -> String {
+        const BOUND: Duration = Duration::from_secs(15);
+        match self {
+            Coordinators::InProcess(c) => match c.stop_gracefully(id, BOUND).await {
+                Some(successor) => format!("handed over to node {successor}"),
+                None => "stopped without a handover".into(),
+            },
+            Coordinators::Processes(c) => match c.terminate(id, BOUND).await {
+                true => "exited cleanly after SIGTERM".into(),
+                false => {
+                    tracing::warn!(node = id, "the node did not exit cleanly after SIGTERM");
+                    "did not exit cleanly after SIGTERM; killed".into()
+                }
+            },
+        }
+    }
+
+    /// An operator's drain of the worker `name`: the sessions set leaving.
+    pub(crate) async fn drain(&self, name: &str) -> Result<Vec<u64>, String> {
+        use proto::operator_client::OperatorClient;
+        let client = match self {
+            Coordinators::InProcess(c) => c.client(),
+            Coordinators::Processes(c) => c.client(),
+        };
+        let request = proto::DrainRequest { name: name.into() };
+        let drained = client
+            .call_on(|channel| {
+                let request = request.clone();
+                async move { OperatorClient::new(channel).drain(request).await }
+            })
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(drained.sessions)
+    }
+
     pub(crate) async fn restart(&mut self, id: NodeId) -> Result<(), String> {
         match self {
             Coordinators::InProcess(c) => c.restart(id).await.map_err(|e| e.to_string()),

@@ -91,10 +91,16 @@ pub enum FaultKind {
     ReleaseOwnAccord,
     LeaveWorker,
     DropWorker,
+    /// An operator's planned restart of the leader: SIGTERM (the leader hands over to a
+    /// follower, then exits), and the node starts again.
+    StopLeaderGracefully,
+    /// An operator drains a worker (`ctl drain`): its session leaves as if the worker had
+    /// left, and the worker, told its session ended, joins again.
+    DrainWorker,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 15] = [
+    pub const ALL: [FaultKind; 17] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
@@ -110,6 +116,8 @@ impl FaultKind {
         FaultKind::ReleaseOwnAccord,
         FaultKind::LeaveWorker,
         FaultKind::DropWorker,
+        FaultKind::StopLeaderGracefully,
+        FaultKind::DrainWorker,
     ];
 
     pub fn name(self) -> &'static str {
@@ -129,6 +137,8 @@ impl FaultKind {
             FaultKind::ReleaseOwnAccord => "release-own-accord",
             FaultKind::LeaveWorker => "leave-worker",
             FaultKind::DropWorker => "drop-worker",
+            FaultKind::StopLeaderGracefully => "stop-leader-gracefully",
+            FaultKind::DrainWorker => "drain-worker",
         }
     }
 
@@ -858,6 +868,24 @@ async fn inject(
             tokio::time::sleep(held).await;
             heal_all(cluster);
             Ok(format!("{} {} ms each way for {} ms", kind.name(), delay.as_millis(), held.as_millis()))
+        }
+        FaultKind::StopLeaderGracefully => {
+            let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+            let stopped = cluster.stop_gracefully(leader).await;
+            let down = jitter(rng, Duration::from_millis(200), ttl);
+            tokio::time::sleep(down).await;
+            cluster.restart(leader).await.map_err(|e| NemesisError::Restart(leader, e))?;
+            recorder.follow(cluster, leader);
+            Ok(format!("{} node {leader} ({stopped}), back after {} ms", kind.name(), down.as_millis()))
+        }
+        FaultKind::DrainWorker => {
+            let slot = &slots[rng.random_range(0..slots.len())];
+            let outcome = match cluster.drain(slot.name()).await {
+                Ok(sessions) => format!("sessions {sessions:?} leaving"),
+                // Between a session's end and the worker's next join there is none to drain.
+                Err(e) => format!("refused: {e}"),
+            };
+            Ok(format!("{} {} ({outcome})", kind.name(), slot.name()))
         }
         FaultKind::KillLeader | FaultKind::KillFollower | FaultKind::KillAll => {
             let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;

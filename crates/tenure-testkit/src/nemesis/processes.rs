@@ -296,6 +296,29 @@ impl ProcessCluster {
         }
     }
 
+    /// SIGTERM, as an operator's planned restart sends it: the node hands over if it leads
+    /// and exits. Whether it exited with success within `bound`; if not, it is killed.
+    pub async fn terminate(&mut self, id: NodeId, bound: Duration) -> bool {
+        let Some(mut child) = self.children.get_mut(&id).and_then(Option::take) else { return false };
+        if !send_signal(&child, libc::SIGTERM) {
+            let _ = child.kill().await;
+            return false;
+        }
+        match tokio::time::timeout(bound, child.wait()).await {
+            Ok(Ok(status)) => status.success(),
+            _ => {
+                let _ = child.kill().await;
+                false
+            }
+        }
+    }
+
+    /// A client of the whole cluster with the operator's certificate.
+    pub fn client(&self) -> Client {
+        let addrs = self.listen.values().map(|(_, client)| client.to_string()).collect();
+        Client::new(addrs).expect("addresses of this cluster parse").with_tls(self.operator.clone())
+    }
+
     /// Starts a killed node again on the same port and data.
     pub fn restart(&mut self, id: NodeId) -> Result<(), ProcessError> {
         self.spawn(id)
