@@ -2,7 +2,8 @@
 //! a follower, and no worker loses a lease or a partition over it; a follower stopped that way
 //! just leaves; the peer call a handover uses cannot depose a live leader; the membership calls
 //! are an operator's, and bad ones change nothing; health follows what a node knows, and
-//! reflection lists the API. (Replacing a node is in `processes.rs`.)
+//! reflection lists the API; maintenance mode holds live owners still, and an operator's weight
+//! moves partitions and outlives the session it was set on. (Replacing a node is in `processes.rs`.)
 
 mod common;
 
@@ -306,5 +307,91 @@ async fn an_operators_drain_moves_a_workers_partitions_gracefully_and_ends_its_s
             row.partition
         );
     }
+    c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_partitions() {
+    use std::collections::BTreeMap;
+    use tenure::proto::operator_client::OperatorClient;
+    use tenure::proto::{SetMaintenanceRequest, SetWeightRequest};
+    use tenure::tls::Principal;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.leader().unwrap();
+    let mut w1 = worker(&c, "w1").await;
+    let w3 = worker(&c, "w3").await;
+    settled(&c, 2).await;
+    let before = workers_agree(&c, &[&w1, &w3]).await;
+    let held = |s: &tenure::proto::StatusResponse, session: u64| -> BTreeMap<u32, u64> {
+        s.partitions.iter().filter(|r| r.owner == session).map(|r| (r.partition, r.token)).collect()
+    };
+    let w1_before = held(&before, w1.session().0);
+
+    let mut as_worker = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w1".into())).await);
+    let err = as_worker.set_maintenance(SetMaintenanceRequest { on: true }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
+    let err = as_worker.set_weight(SetWeightRequest { name: "w1".into(), weight: 5 }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
+    let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
+    let set = ops.set_maintenance(SetMaintenanceRequest { on: true }).await.expect("maintenance on");
+    assert!(!set.into_inner().was);
+    assert!(c.status().await.unwrap().maintenance, "status shows maintenance mode");
+
+    // While it is on, two workers join and w3 leaves: w3's partitions go to the newcomers, and
+    // w1, which balance would have asked for a third of its partitions, keeps every one of them
+    // under the same token.
+    let mut w1_events = w1.events();
+    while w1_events.try_recv().is_ok() {} // what w3's join took from w1 is over
+    let w2 = worker(&c, "w2").await;
+    let w4 = worker(&c, "w4").await;
+    w3.leave().await.expect("w3 leaves");
+    let during = eventually("w3's partitions owned by the newcomers", || async {
+        let s = c.status().await.ok()?;
+        let live = s.sessions.iter().filter(|x| !x.leaving).count();
+        (live == 3 && s.sessions.len() == 3 && s.unowned == 0 && s.revoking == 0).then_some(s)
+    })
+    .await;
+    assert_eq!(held(&during, w1.session().0), w1_before, "w1 kept every partition and token");
+    assert_eq!(held(&during, w2.session().0).len() + held(&during, w4.session().0).len(), 12, "{during:?}");
+    while let Ok(event) = w1_events.try_recv() {
+        assert!(!matches!(event, WorkerEvent::Revoking { .. } | WorkerEvent::Lost { .. }), "{event:?}");
+    }
+
+    // Off: the leader balances again.
+    let set = ops.set_maintenance(SetMaintenanceRequest { on: false }).await.expect("maintenance off");
+    assert!(set.into_inner().was);
+    let after = settled(&c, 3).await;
+    assert!(!after.maintenance);
+    assert_eq!(held(&after, w1.session().0).len(), 8, "w1 gave up its excess once maintenance ended");
+
+    // Weights: refused before the log when bad, changing nothing.
+    let applied = c.status().await.unwrap().last_applied;
+    for (name, weight, code, what) in [
+        ("nobody", 2, Code::NotFound, "unknown_worker"),
+        ("w2", 0, Code::InvalidArgument, "invalid_weight"),
+        ("w2", 4_294_967_295, Code::InvalidArgument, "invalid_weight"),
+        ("w\n2", 2, Code::InvalidArgument, "invalid_name"),
+    ] {
+        let err = ops.set_weight(SetWeightRequest { name: name.into(), weight }).await.unwrap_err();
+        assert_eq!((err.code(), kind(&err)), (code, what), "{name:?} {weight}");
+    }
+    assert_eq!(c.status().await.unwrap().last_applied, applied, "no refused request became an entry");
+    // Weight 3 of 5: w2 is to hold floor(24 * 3 / 5) = 14, the others 5 each.
+    let set = ops.set_weight(SetWeightRequest { name: "w2".into(), weight: 3 }).await.expect("weight set");
+    assert_eq!(set.into_inner().sessions, vec![w2.session().0]);
+    eventually("w2 holds three fifths of the table", || async {
+        let s = c.status().await.ok()?;
+        let owned = |session: u64| s.sessions.iter().find(|x| x.id == session).map(|x| x.owned);
+        let shares = (owned(w1.session().0)?, owned(w2.session().0)?, owned(w4.session().0)?);
+        (s.unowned == 0 && s.revoking == 0 && shares == (5, 14, 5)).then_some(())
+    })
+    .await;
+    // The weight is w2's, not its session's: a restart asking for weight 1 still gets 3.
+    w2.leave().await.expect("w2 leaves");
+    let w2b = worker(&c, "w2").await;
+    let status = c.status().await.unwrap();
+    let record = status.sessions.iter().find(|x| x.id == w2b.session().0).expect("w2's new session");
+    assert_eq!(record.weight, 3);
     c.shutdown().await;
 }

@@ -698,3 +698,74 @@ fn a_decision_larger_than_one_command_is_split_into_commands_that_apply_in_order
     assert!(planner::plan_all(&s.state, &Rules::default()).is_empty(), "settled after the last command");
     s.check();
 }
+
+#[test]
+fn maintenance_mode_grants_unowned_partitions_but_takes_none_from_a_live_owner() {
+    let mut s = Story::new(12);
+    let (w1, _) = s.join("w1");
+    let (_, events) = s.commit(Command::SetMaintenance { on: true });
+    assert_eq!(events, vec![Event::MaintenanceChanged { on: true }]);
+    assert!(s.state.maintenance());
+    // A newcomer gets nothing from w1 while maintenance is on.
+    let (w2, secret2) = s.join("w2");
+    assert!(s.revoking(w1).is_empty() && s.owned(w2).is_empty(), "nothing moved to w2");
+    // Turning it on again changes nothing and says so.
+    let (r, events) = s.commit(Command::SetMaintenance { on: true });
+    assert_eq!((r, events), (Response::MaintenanceSet { was: true }, vec![]));
+    // A leaving worker still gives its partitions up, and unowned ones are still granted: w2
+    // leaves and comes back as w3, which takes w1's partitions only once maintenance ends.
+    s.commit(Command::Leave { session: w2, secret: secret2 });
+    let (w3, _) = s.join("w3");
+    assert!(s.revoking(w1).is_empty() && s.owned(w3).is_empty());
+    s.commit(Command::Expire { sessions: vec![w1] });
+    assert_eq!(s.owned(w3).len(), 12, "w1's lost partitions are unowned, and granted to w3");
+    let (w4, secret4) = s.join("w4");
+    assert!(s.owned(w4).is_empty());
+    let (r, events) = s.commit(Command::SetMaintenance { on: false });
+    assert_eq!(r, Response::MaintenanceSet { was: true });
+    assert_eq!(events[0], Event::MaintenanceChanged { on: false });
+    assert_eq!(s.revoking(w3).len(), 6, "once it is off, the leader balances again");
+    let _ = secret4;
+    s.check();
+    // The setting survives a snapshot.
+    s.commit(Command::SetMaintenance { on: true });
+    let restored: OwnershipState = serde_json::from_slice(&serde_json::to_vec(&s.state).unwrap()).unwrap();
+    assert!(restored.maintenance());
+}
+
+#[test]
+fn an_operators_weight_applies_now_and_to_the_workers_next_sessions() {
+    let mut s = Story::new(16);
+    let (w1, secret1) = s.join("w1");
+    let (w2, _) = s.join("w2");
+    s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions: s.revoking(w1) });
+    assert_eq!((s.owned(w1).len(), s.owned(w2).len()), (8, 8));
+
+    let (r, events) = s.commit(Command::SetWeight { name: "w2".into(), weight: 3 });
+    assert_eq!(r, Response::WeightSet { sessions: vec![w2] });
+    assert_eq!(events[0], Event::WeightChanged { session: w2, weight: 3 });
+    assert_eq!(s.revoking(w1).len(), 4, "w2 is to hold three quarters");
+    s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions: s.revoking(w1) });
+    assert_eq!((s.owned(w1).len(), s.owned(w2).len()), (4, 12));
+    s.check();
+
+    // The weight is the name's: w2 restarts asking for weight 1 and still gets 3.
+    let again = Command::Join { name: "w2".into(), weight: 1, secret: SecretHash::of("again") };
+    let Response::Joined { session: w2b, .. } = s.commit(again).0 else { panic!("join") };
+    assert_eq!(s.state.session(w2b).unwrap().weight, 3);
+
+    // Refused, changing nothing: no live session of that name, a weight out of range.
+    let before = s.state.clone();
+    for (name, weight, want) in [
+        ("nobody", 2, Rejection::UnknownWorker("nobody".into())),
+        ("w1", 0, Rejection::InvalidWeight(0)),
+        ("w1", 1001, Rejection::InvalidWeight(1001)),
+    ] {
+        let (r, events) = s.commit_alone(Command::SetWeight { name: name.into(), weight });
+        assert_eq!((r, events), (Response::Rejected(want), vec![]));
+    }
+    assert!(s.unchanged_since(&before));
+    // The same weight again emits nothing, so the leader has nothing to decide.
+    let (r, events) = s.commit_alone(Command::SetWeight { name: "w1".into(), weight: 1 });
+    assert_eq!((r, events), (Response::WeightSet { sessions: vec![w1] }, vec![]));
+}

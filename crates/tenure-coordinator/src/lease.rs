@@ -180,7 +180,10 @@ impl LeaseTable {
                 }
                 // A leaving session keeps its lease until its partitions are revoked and
                 // released; the configuration reaches the table through `adopt`.
-                Event::SessionLeaving { .. } | Event::Configured { .. } => {}
+                Event::SessionLeaving { .. }
+                | Event::Configured { .. }
+                | Event::MaintenanceChanged { .. }
+                | Event::WeightChanged { .. } => {}
             }
         }
         moves
@@ -231,6 +234,28 @@ impl LeaseTable {
         due.sessions.sort();
         due.revoking.sort();
         due
+    }
+
+    /// Time left at `now` on `session`'s lease (zero once it is due), or `None` for a session
+    /// the table has not heard of. What `tenure ctl` shows; nothing is decided on it.
+    pub fn session_remaining(&self, session: SessionId, now: Instant) -> Option<Duration> {
+        self.sessions.get(&session).map(|l| {
+            if l.expiring {
+                Duration::ZERO
+            } else {
+                l.deadline.saturating_duration_since(now)
+            }
+        })
+    }
+
+    /// Time left at `now` before the leader may expire the revoke of `partition` (zero once it
+    /// is due), or `None` if the partition is not revoking here.
+    pub fn revoke_remaining(&self, partition: PartitionId, now: Instant) -> Option<Duration> {
+        self.revoking.get(&partition).and_then(|l| match l.phase {
+            RevokePhase::Pending => Some(l.deadline.saturating_duration_since(now)),
+            RevokePhase::Expiring => Some(Duration::ZERO),
+            RevokePhase::Gone => None,
+        })
     }
 
     /// The earliest deadline still pending, so the caller knows when to look again.

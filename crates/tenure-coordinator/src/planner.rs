@@ -17,6 +17,9 @@
 //!   costs; a larger decision is split into several commands over disjoint partitions, proposed
 //!   in order. If one is refused (the table changed under it), the rest are dropped and the
 //!   leader decides again.
+//! - In maintenance mode ([`crate::ownership::Settings::maintenance`]) nothing is taken from a
+//!   live owner: unowned partitions are granted, and leaving sessions' partitions revoked, as
+//!   always; a member below its share waits until maintenance ends.
 //! - A settled table is recognised without a pass over it (the table keeps counts of unowned and
 //!   revoking partitions, and what each session owns), so deciding "nothing to do" costs the
 //!   number of members, not of partitions.
@@ -67,6 +70,10 @@ pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
     let target = placement::place_with_seed(&members, &current, rules.ring_seed);
     let mut may_revoke =
         config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(state.revoking_count()));
+    // Maintenance mode takes nothing from a live owner; a leaving (or superseded) one still
+    // gives its partitions up, since it asked to.
+    let maintenance = state.maintenance();
+    let takeable = |owner: SessionId| !maintenance || state.session(owner).is_none_or(|s| s.leaving);
     let mut commands = Vec::new();
     let mut grants = Vec::new();
     let mut revokes = Vec::new();
@@ -74,7 +81,9 @@ pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
         let partition = crate::ids::PartitionId(p as u32);
         match (record.owner, want) {
             (None, Some(session)) => grants.push(Grant { partition, session }),
-            (Some(owner), Some(next)) if next != owner && !record.revoking && may_revoke > 0 => {
+            (Some(owner), Some(next))
+                if next != owner && !record.revoking && may_revoke > 0 && takeable(owner) =>
+            {
                 may_revoke -= 1;
                 revokes.push(Revoke { partition, session: owner, token: record.token, next });
             }

@@ -23,7 +23,9 @@ pub fn decision(event: &Event) -> Option<(PartitionId, SessionId, FencingToken, 
         Event::Configured { .. }
         | Event::SessionStarted { .. }
         | Event::SessionLeaving { .. }
-        | Event::SessionEnded { .. } => None,
+        | Event::SessionEnded { .. }
+        | Event::MaintenanceChanged { .. }
+        | Event::WeightChanged { .. } => None,
     }
 }
 

@@ -938,7 +938,9 @@ impl Sim {
             Event::Configured { .. }
             | Event::SessionStarted { .. }
             | Event::SessionLeaving { .. }
-            | Event::SessionEnded { .. } => Vec::new(),
+            | Event::SessionEnded { .. }
+            | Event::MaintenanceChanged { .. }
+            | Event::WeightChanged { .. } => Vec::new(),
         };
         self.changes(w, changes);
     }

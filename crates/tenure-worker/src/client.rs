@@ -99,7 +99,7 @@ impl ClientError {
 /// use tenure_worker::Client;
 /// let client = Client::new(vec!["10.0.0.1:7001".into(), "10.0.0.2:7001".into()])?;
 /// let status = client.status().await?; // the whole table, in pages
-/// let first = client.call(|mut c| async move { c.status(StatusRequest { from_partition: 0, limit: 10 }).await }).await?;
+/// let first = client.call(|mut c| async move { c.status(StatusRequest { limit: 10, ..Default::default() }).await }).await?;
 /// assert!(first.partitions.len() <= 10);
 /// println!("leader at {}, {} partitions", status.leader_addr, status.partition_count);
 /// # Ok(()) }
@@ -216,21 +216,42 @@ impl Client {
     /// gRPC's message limits), read one after another; a table that changes meanwhile may show
     /// rows from different moments.
     pub async fn status(&self) -> Result<crate::proto::StatusResponse, ClientError> {
-        let page = |from_partition: u32| {
-            self.call(move |mut c| async move {
-                c.status(crate::proto::StatusRequest { from_partition, limit: 0 }).await
+        self.read_status(crate::proto::StatusRequest::default(), None).await
+    }
+
+    /// [`Client::status`] with the request's options (a linearizable read, rows of one owner,
+    /// no rows), reading pages from `request.from_partition` on until the table ends or
+    /// `max_rows` rows have arrived; `next_partition` of the answer says where a further read
+    /// would start.
+    pub async fn read_status(
+        &self,
+        request: crate::proto::StatusRequest,
+        max_rows: Option<usize>,
+    ) -> Result<crate::proto::StatusResponse, ClientError> {
+        let page = |from_partition: u32, limit: u32| {
+            let request = crate::proto::StatusRequest { from_partition, limit, ..request.clone() };
+            self.call(move |mut c| {
+                let request = request.clone();
+                async move { c.status(request).await }
             })
         };
-        let mut status = page(0).await?;
+        let page_limit = |have: usize| match max_rows {
+            // Never 0, which would mean a whole page.
+            Some(max) => max.saturating_sub(have).clamp(1, 65_536) as u32,
+            None => request.limit,
+        };
+        let mut status = page(request.from_partition, page_limit(0)).await?;
         // Bounded: every page starts past the previous one, and a table has at most 2^22 rows.
-        let mut next = status.next_partition.take();
-        while let Some(from) = next {
-            let more = page(from).await?;
+        while let Some(from) = status.next_partition {
+            if max_rows.is_some_and(|max| status.partitions.len() >= max) {
+                break;
+            }
+            let more = page(from, page_limit(status.partitions.len())).await?;
             if more.next_partition.is_some_and(|n| n <= from) {
                 return Err(ClientError::Other(format!("status pages do not advance past {from}")));
             }
             status.partitions.extend(more.partitions);
-            next = more.next_partition;
+            status.next_partition = more.next_partition;
         }
         Ok(status)
     }

@@ -182,8 +182,11 @@ pub fn render_status(status: &StatusResponse) -> String {
     );
     let _ = writeln!(
         s,
-        "{} partitions, lease TTL {} ms, last applied index {}",
-        status.partition_count, status.lease_ttl_ms, status.last_applied
+        "{} partitions, lease TTL {} ms, last applied index {}{}",
+        status.partition_count,
+        status.lease_ttl_ms,
+        status.last_applied,
+        if status.maintenance { "; maintenance mode on (nothing is taken from a live owner)" } else { "" }
     );
     let _ = writeln!(s, "sessions:");
     for sess in &status.sessions {

@@ -1,6 +1,7 @@
 //! The `tenure` binary: `serve` runs a coordinator node, `demo` runs a whole cluster with
-//! workers in one process, `ctl` shows a cluster's members, leader and partition table.
+//! workers in one process, `ctl` inspects and operates a running cluster.
 
+mod ctl;
 mod demo;
 
 use anyhow::{bail, Context, Result};
@@ -30,8 +31,8 @@ enum Command {
     Serve(ServeArgs),
     /// Start a 3-node cluster and a few workers in this process and narrate what happens.
     Demo(DemoArgs),
-    /// Inspect a running cluster.
-    Ctl(CtlArgs),
+    /// Inspect and operate a running cluster (members, endpoints, sessions, partitions, drain, watch).
+    Ctl(ctl::CtlArgs),
     /// Make a development CA and certificates for nodes, workers and operators (PEM files).
     Certs(CertsArgs),
     /// Run the real cluster and workers under seeded faults, record the history and check it.
@@ -334,41 +335,6 @@ struct SimulateStackArgs {
     faults: Vec<String>,
 }
 
-#[derive(Args)]
-struct CtlArgs {
-    /// Coordinator addresses (host:port), comma separated.
-    #[arg(long, env = "TENURE_COORDINATORS", value_delimiter = ',', required = true)]
-    coordinators: Vec<String>,
-    #[command(flatten)]
-    tls: ClientTlsArgs,
-    #[command(subcommand)]
-    what: CtlCommand,
-}
-
-#[derive(Subcommand)]
-enum CtlCommand {
-    /// Members, leader, sessions and the partition table.
-    Status,
-    /// The coordinator nodes themselves: list, add, promote, remove.
-    #[command(subcommand)]
-    Member(MemberCommand),
-    /// Move everything off a worker gracefully, then end its session (as its own leave would).
-    Drain { name: String },
-}
-
-#[derive(Subcommand)]
-enum MemberCommand {
-    /// Every member with its role, addresses and how far it has replicated.
-    List,
-    /// Add a node as a learner, given as ID=CLIENT_ADDR/PEER_ADDR (host:port each); start it
-    /// first with `tenure serve --join`.
-    Add { member: String },
-    /// Make a learner a voter once it has caught up.
-    Promote { id: NodeId },
-    /// Remove a node (a voter or a learner).
-    Remove { id: NodeId },
-}
-
 fn parse_peer(s: &str) -> Result<(NodeId, Member), String> {
     let expected = || format!("expected id=CLIENT_ADDR/PEER_ADDR, got {s:?}");
     let (id, addrs) = s.split_once('=').ok_or_else(expected)?;
@@ -402,7 +368,7 @@ async fn main() -> Result<()> {
         Command::Demo(args) => {
             demo::run(args.partitions, Duration::from_millis(args.lease_ttl_ms), &mut std::io::stdout()).await
         }
-        Command::Ctl(args) => ctl(args).await,
+        Command::Ctl(args) => ctl::run(args).await,
         Command::Certs(args) => certs(args),
         Command::Nemesis(args) => nemesis(args).await,
         Command::Simulate(args) => simulate(args),
@@ -607,91 +573,6 @@ async fn work(args: WorkArgs) -> Result<()> {
         }
     }
     Ok(())
-}
-
-async fn ctl(args: CtlArgs) -> Result<()> {
-    let client = tenure::worker::Client::new(args.coordinators)?.with_tls(args.tls.load()?);
-    match args.what {
-        CtlCommand::Status => {
-            let status = client.status().await?;
-            print!("{}", demo::render_status(&status));
-        }
-        CtlCommand::Drain { name } => {
-            use tenure::proto::operator_client::OperatorClient;
-            let request = tenure::proto::DrainRequest { name: name.clone() };
-            let drained = client
-                .call_on(|c| {
-                    let request = request.clone();
-                    async move { OperatorClient::new(c).drain(request).await }
-                })
-                .await?;
-            println!(
-                "draining {name}: sessions {:?} are leaving; their partitions move as they are given back",
-                drained.sessions
-            );
-        }
-        CtlCommand::Member(command) => {
-            use tenure::proto::operator_client::OperatorClient;
-            use tenure::proto::{AddMemberRequest, PromoteMemberRequest, RemoveMemberRequest};
-            let members = match command {
-                MemberCommand::List => {
-                    client
-                        .call_on(|c| async move {
-                            OperatorClient::new(c).list_members(tenure::proto::ListMembersRequest {}).await
-                        })
-                        .await?
-                }
-                MemberCommand::Add { member } => {
-                    let (id, addrs) = member.split_once('=').context("expected ID=CLIENT_ADDR/PEER_ADDR")?;
-                    let (addr, peer_addr) =
-                        addrs.split_once('/').context("expected ID=CLIENT_ADDR/PEER_ADDR")?;
-                    let id: NodeId = id.trim().parse().with_context(|| format!("bad node id {id:?}"))?;
-                    let request =
-                        AddMemberRequest { id, addr: addr.trim().into(), peer_addr: peer_addr.trim().into() };
-                    client
-                        .call_on(|c| {
-                            let request = request.clone();
-                            async move { OperatorClient::new(c).add_member(request).await }
-                        })
-                        .await?
-                }
-                MemberCommand::Promote { id } => {
-                    client
-                        .call_on(|c| async move {
-                            OperatorClient::new(c).promote_member(PromoteMemberRequest { id }).await
-                        })
-                        .await?
-                }
-                MemberCommand::Remove { id } => {
-                    client
-                        .call_on(|c| async move {
-                            OperatorClient::new(c).remove_member(RemoveMemberRequest { id }).await
-                        })
-                        .await?
-                }
-            };
-            print!("{}", render_members(&members));
-        }
-    }
-    Ok(())
-}
-
-/// `ctl member` output: one line per member.
-fn render_members(m: &tenure::proto::MembersResponse) -> String {
-    let mut out = format!(
-        "members (answered by node {}; leader node {}; term {}; last log index {}):\n",
-        m.answered_by, m.leader_id, m.term, m.last_log_index
-    );
-    for member in &m.members {
-        let role = if member.voter { "voter" } else { "learner" };
-        let leader = if member.leader { " leader" } else { "" };
-        let matched = member.matched_index.map(|i| format!(" matched {i}")).unwrap_or_default();
-        out += &format!(
-            "  {} {role}{leader} {} (peers {}){matched}\n",
-            member.id, member.addr, member.peer_addr
-        );
-    }
-    out
 }
 
 async fn nemesis(args: NemesisArgs) -> Result<()> {

@@ -41,6 +41,10 @@ pub enum Command {
     /// against the table it holds and applies all of them or none; a decision made on a table
     /// that has changed since is refused whole, and the leader decides again.
     Place { grants: Vec<Grant>, revokes: Vec<Revoke> },
+    /// An operator turns maintenance mode on or off (see [`super::Settings::maintenance`]).
+    SetMaintenance { on: bool },
+    /// An operator sets a worker's weight: its live sessions' now, and its future sessions'.
+    SetWeight { name: String, weight: u32 },
 }
 
 /// Give an unowned partition to a member. The token is the index of the entry.
@@ -82,6 +86,14 @@ pub enum Response {
         granted: u32,
         revoking: u32,
     },
+    MaintenanceSet {
+        /// Whether maintenance mode was on before.
+        was: bool,
+    },
+    WeightSet {
+        /// The live sessions of that name, which now have the weight.
+        sessions: Vec<SessionId>,
+    },
     Rejected(Rejection),
 }
 
@@ -115,6 +127,8 @@ pub enum Rejection {
     NotEligible(SessionId),
     #[error("partition {0} is named twice in one placement decision")]
     DuplicateMove(PartitionId),
+    #[error("no worker named {0:?} has a live session")]
+    UnknownWorker(String),
 }
 
 /// Why an owner lost a partition without releasing it.
@@ -168,5 +182,14 @@ pub enum Event {
         session: SessionId,
         token: FencingToken,
         reason: LossReason,
+    },
+    /// Maintenance mode turned on or off.
+    MaintenanceChanged {
+        on: bool,
+    },
+    /// An operator changed a live session's weight.
+    WeightChanged {
+        session: SessionId,
+        weight: u32,
     },
 }

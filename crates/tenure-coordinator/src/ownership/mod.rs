@@ -40,5 +40,6 @@ mod state;
 pub use command::{Command, Event, Grant, LossReason, Rejection, Response, Revoke};
 pub use secret::SecretHash;
 pub use state::{
-    check_join, Changes, Config, OwnershipState, PartitionRecord, SessionRecord, MAX_NAME_BYTES, MAX_WEIGHT,
+    check_join, Changes, Config, OwnershipState, PartitionRecord, SessionRecord, Settings, MAX_NAME_BYTES,
+    MAX_WEIGHT,
 };

@@ -34,6 +34,18 @@ pub struct PartitionRecord {
     pub next: Option<SessionId>,
 }
 
+/// What operators change at run time, replicated like the table.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settings {
+    /// Maintenance mode: the leader grants unowned partitions (nobody works on them) but takes
+    /// none from a live owner, so a rolling deployment of workers moves nothing it does not
+    /// have to. Leaves, drains and restarts still revoke: the worker asked for those.
+    pub maintenance: bool,
+    /// Weights an operator set by worker name. They outlive the sessions they were set on: a
+    /// worker that joins again under that name gets this weight, whatever its join asked for.
+    pub weights: BTreeMap<String, u32>,
+}
+
 /// One live session.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionRecord {
@@ -62,6 +74,7 @@ pub struct OwnershipState {
     partitions: Vec<PartitionRecord>,
     sessions: BTreeMap<SessionId, SessionRecord>,
     next_session: u64,
+    settings: Settings,
     #[serde(skip)]
     changes: Changes,
     /// Partitions per owner, derived from `partitions` (never persisted, rebuilt on load), so a
@@ -83,11 +96,13 @@ struct StateData {
     partitions: Vec<PartitionRecord>,
     sessions: BTreeMap<SessionId, SessionRecord>,
     next_session: u64,
+    settings: Settings,
 }
 
 impl From<StateData> for OwnershipState {
     fn from(d: StateData) -> Self {
         OwnershipState::from_parts(d.config, d.partitions, d.sessions, d.next_session)
+            .with_settings(d.settings)
     }
 }
 
@@ -112,6 +127,7 @@ impl OwnershipState {
             partitions,
             sessions,
             next_session,
+            settings: Settings::default(),
             changes: Changes::default(),
             owned,
             unowned,
@@ -119,8 +135,21 @@ impl OwnershipState {
         }
     }
 
+    /// The state with these operator settings (the store's load path).
+    pub fn with_settings(mut self, settings: Settings) -> Self {
+        self.settings = settings;
+        self
+    }
+
     pub fn config(&self) -> Option<Config> {
         self.config
+    }
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+    /// Whether the leader may take partitions from live owners (see [`Settings::maintenance`]).
+    pub fn maintenance(&self) -> bool {
+        self.settings.maintenance
     }
     pub fn keyspace(&self) -> Option<KeySpace> {
         self.config.and_then(|c| KeySpace::new(c.partition_count).ok())
@@ -276,7 +305,46 @@ impl OwnershipState {
                 Ok(Response::Expired { partitions: lost })
             }
             Command::Place { grants, revokes } => self.place(index, grants, revokes, events),
+            Command::SetMaintenance { on } => {
+                self.require_config()?;
+                let was = self.settings.maintenance;
+                if was != *on {
+                    self.settings.maintenance = *on;
+                    self.changes.meta = true;
+                    events.push(Event::MaintenanceChanged { on: *on });
+                }
+                Ok(Response::MaintenanceSet { was })
+            }
+            Command::SetWeight { name, weight } => self.set_weight(name, *weight, events),
         }
+    }
+
+    /// An operator's weight for a worker name: kept for the name, and given to its live
+    /// sessions now. A name with no live session is refused (a typo must not linger).
+    fn set_weight(
+        &mut self,
+        name: &str,
+        weight: u32,
+        events: &mut Vec<Event>,
+    ) -> Result<Response, Rejection> {
+        self.require_config()?;
+        check_join(name, weight)?;
+        let sessions: Vec<SessionId> =
+            self.sessions.iter().filter(|(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s).collect();
+        if sessions.is_empty() {
+            return Err(Rejection::UnknownWorker(name.to_string()));
+        }
+        self.settings.weights.insert(name.to_string(), weight);
+        self.changes.meta = true;
+        for &session in &sessions {
+            let mut record = self.sessions[&session].clone();
+            if record.weight != weight {
+                record.weight = weight;
+                self.put_session(session, record);
+                events.push(Event::WeightChanged { session, weight });
+            }
+        }
+        Ok(Response::WeightSet { sessions })
     }
 
     /// Applies the leader's decision, all of it or none: every move is checked against this
@@ -423,6 +491,7 @@ impl OwnershipState {
         self.next_session += 1;
         let session = SessionId(self.next_session);
         self.changes.meta = true;
+        let weight = self.settings.weights.get(name).copied().unwrap_or(weight);
         self.put_session(
             session,
             SessionRecord { name: name.to_string(), weight, secret: *secret, leaving: false },

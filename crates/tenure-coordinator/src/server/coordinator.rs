@@ -601,13 +601,26 @@ impl Coordinator for CoordinatorService {
         req: Request<proto::StatusRequest>,
     ) -> Result<Response<proto::StatusResponse>, Status> {
         let req = req.into_inner();
-        let limit = match req.limit {
-            0 => STATUS_ROWS_PER_PAGE,
-            n => n.min(STATUS_ROWS_PER_PAGE),
-        };
-        let metrics = self.node.raft.metrics().borrow().clone();
-        let leader_id = metrics.current_leader.unwrap_or(0);
-        let applied = self.node.state.read().expect("state lock poisoned");
+        if req.linearizable {
+            self.node.ensure_leader()?;
+            self.node.read_linearizably().await?;
+        }
+        Ok(Response::new(status_of(&self.node, &req)))
+    }
+}
+
+/// What `Status` answers, read from this node's applied state (and, on the leader, its lease
+/// table): the state first, then the leases, never both locks at once.
+fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::StatusResponse {
+    let limit = match req.limit {
+        0 => STATUS_ROWS_PER_PAGE,
+        n => n.min(STATUS_ROWS_PER_PAGE),
+    } as usize;
+    let metrics = node.raft.metrics().borrow().clone();
+    let leader_id = metrics.current_leader.unwrap_or(0);
+    let mut answer = {
+        let applied = node.state.read().expect("state lock poisoned");
+        let state = &applied.state;
         let nodes: Vec<proto::Node> = applied
             .membership
             .membership()
@@ -620,21 +633,38 @@ impl Coordinator for CoordinatorService {
             .collect();
         let leader_addr =
             nodes.iter().find(|n| n.id == leader_id).map(|n| n.addr.clone()).unwrap_or_default();
-        let rows = applied.state.partitions();
-        let from = (req.from_partition as usize).min(rows.len());
-        let until = (from + limit as usize).min(rows.len());
-        let partitions = rows[from..until]
-            .iter()
-            .enumerate()
-            .map(|(i, r)| proto::PartitionRow {
-                partition: (from + i) as u32,
-                owner: r.owner.map(|s| s.0).unwrap_or(0),
-                token: r.token.0,
-                revoking: r.revoking,
-            })
-            .collect();
-        let sessions = applied
-            .state
+        let name_of = |s: Option<SessionId>| {
+            s.and_then(|s| state.session(s)).map(|r| r.name.clone()).unwrap_or_default()
+        };
+        let rows = state.partitions();
+        let mut partitions = Vec::new();
+        let mut next_partition = None;
+        if !req.omit_partitions {
+            let from = (req.from_partition as usize).min(rows.len());
+            let wanted = |r: &crate::ownership::PartitionRecord| match &req.owner {
+                None => true,
+                Some(name) => [r.owner, r.next].into_iter().any(|s| name_of(s) == *name),
+            };
+            for (p, r) in rows.iter().enumerate().skip(from) {
+                if partitions.len() == limit {
+                    next_partition = Some(p as u32);
+                    break;
+                }
+                if !wanted(r) {
+                    continue;
+                }
+                partitions.push(proto::PartitionRow {
+                    partition: p as u32,
+                    owner: r.owner.map(|s| s.0).unwrap_or(0),
+                    token: r.token.0,
+                    revoking: r.revoking,
+                    lease_remaining_ms: None,
+                    owner_name: name_of(r.owner),
+                    next: if r.revoking { r.next.map(|s| s.0).unwrap_or(0) } else { 0 },
+                });
+            }
+        }
+        let sessions = state
             .sessions()
             .iter()
             .map(|(s, r)| proto::Session {
@@ -642,12 +672,13 @@ impl Coordinator for CoordinatorService {
                 name: r.name.clone(),
                 weight: r.weight,
                 leaving: r.leaving,
-                owned: applied.state.owned_count(*s) as u32,
+                owned: state.owned_count(*s) as u32,
+                lease_remaining_ms: None,
             })
             .collect();
-        let config = applied.state.config();
-        Ok(Response::new(proto::StatusResponse {
-            node_id: self.node.config.id,
+        let config = state.config();
+        proto::StatusResponse {
+            node_id: node.config.id,
             leader_id,
             leader_addr,
             nodes,
@@ -656,9 +687,34 @@ impl Coordinator for CoordinatorService {
             partition_count: config.map(|c| c.partition_count).unwrap_or(0),
             lease_ttl_ms: config.map(|c| c.lease_ttl_ms).unwrap_or(0),
             last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
-            next_partition: (until < rows.len()).then_some(until as u32),
-        }))
+            next_partition,
+            term: metrics.current_term,
+            last_log_index: metrics.last_log_index.unwrap_or(0),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            stopping: node.draining.is_cancelled(),
+            unowned: state.unowned_count() as u32,
+            revoking: state.revoking_count() as u32,
+            linearizable: req.linearizable,
+            maintenance: state.maintenance(),
+        }
+    };
+    // The leader's clock: only the node that judges leases can say how long they have left.
+    if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
+        let now = Instant::now();
+        let millis = |d: std::time::Duration| d.as_millis() as u64;
+        for s in &mut answer.sessions {
+            s.lease_remaining_ms = leadership.table.session_remaining(SessionId(s.id), now).map(millis);
+        }
+        for row in answer.partitions.iter_mut().filter(|r| r.owner != 0) {
+            row.lease_remaining_ms = if row.revoking {
+                leadership.table.revoke_remaining(PartitionId(row.partition), now)
+            } else {
+                leadership.table.session_remaining(SessionId(row.owner), now)
+            }
+            .map(millis);
+        }
     }
+    answer
 }
 
 #[cfg(test)]

@@ -96,6 +96,7 @@ impl CoordinatorError {
                 Rejection::StalePlacement(_) => "stale_placement",
                 Rejection::NotEligible(_) => "not_eligible",
                 Rejection::DuplicateMove(_) => "invalid_argument",
+                Rejection::UnknownWorker(_) => "unknown_worker",
             },
         }
     }
@@ -121,7 +122,7 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::Unauthenticated(_) => Code::Unauthenticated,
             CoordinatorError::NotAllowed(_) => Code::PermissionDenied,
             CoordinatorError::Rejected(r) => match r {
-                Rejection::UnknownSession(_) => Code::NotFound,
+                Rejection::UnknownSession(_) | Rejection::UnknownWorker(_) => Code::NotFound,
                 Rejection::WrongSecret(_) => Code::PermissionDenied,
                 Rejection::PartitionOutOfRange { .. } => Code::OutOfRange,
                 Rejection::NotOwner { .. }

@@ -246,7 +246,9 @@ fn observe(node: &Node, applied: &AppliedEvent) {
             Event::Configured { .. }
             | Event::SessionStarted { .. }
             | Event::SessionLeaving { .. }
-            | Event::SessionEnded { .. } => {}
+            | Event::SessionEnded { .. }
+            | Event::MaintenanceChanged { .. }
+            | Event::WeightChanged { .. } => {}
         }
     }
     let names =

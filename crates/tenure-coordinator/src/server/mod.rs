@@ -374,6 +374,27 @@ impl Node {
             .or_else(|| self.config.peers.get(&id).map(|m| m.client_addr.clone()))
     }
 
+    /// Returns once this node, as the leader, has heard from a quorum that it still leads and has
+    /// applied everything committed before the call: a read of the state after this is
+    /// linearizable. Refused (naming the leader) on a follower; `Unavailable` if no quorum
+    /// answers within [`LINEARIZABLE_READ_BOUND`].
+    pub async fn read_linearizably(&self) -> Result<(), CoordinatorError> {
+        use openraft::error::CheckIsLeaderError;
+        match tokio::time::timeout(LINEARIZABLE_READ_BOUND, self.raft.ensure_linearizable()).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(RaftError::APIError(CheckIsLeaderError::ForwardToLeader(f)))) => {
+                Err(CoordinatorError::NotLeader {
+                    leader_id: f.leader_id,
+                    leader_addr: f.leader_node.map(|n| n.client_addr),
+                })
+            }
+            Ok(Err(e)) => Err(CoordinatorError::Unavailable(e.to_string())),
+            Err(_) => Err(CoordinatorError::Unavailable(format!(
+                "no quorum confirmed this node's leadership within {LINEARIZABLE_READ_BOUND:?}"
+            ))),
+        }
+    }
+
     /// Proposes a command and waits until it is committed and applied.
     pub async fn propose(&self, command: Command) -> Result<Response, CoordinatorError> {
         match self.raft.client_write(command).await {
@@ -391,6 +412,9 @@ impl Node {
         }
     }
 }
+
+/// How long a linearizable read waits for a quorum to confirm the leader.
+pub const LINEARIZABLE_READ_BOUND: Duration = Duration::from_secs(2);
 
 /// How long a stopping node waits for its tasks before aborting them.
 const SHUTDOWN_GRACE: Duration = Duration::from_millis(300);

@@ -11,7 +11,7 @@
 
 use super::{CoordinatorError, Node};
 use crate::ids::{NodeId, SessionId};
-use crate::ownership::{Command, SecretHash};
+use crate::ownership::{check_join, Command, Response as SmResponse, SecretHash};
 use crate::proto;
 use crate::proto::operator_server::Operator;
 use crate::raft::Member;
@@ -28,6 +28,11 @@ pub const MAX_PROMOTION_LAG: u64 = 64;
 
 pub struct OperatorService {
     pub(crate) node: Arc<Node>,
+}
+
+/// A response of another kind than the command proposed can give: a bug, reported as one.
+fn unexpected(response: SmResponse) -> Status {
+    Status::internal(format!("unexpected response from the state machine: {response:?}"))
 }
 
 /// Only operators may call (workers have their own service); an insecure cluster checks nobody.
@@ -196,6 +201,45 @@ impl Operator for OperatorService {
             self.node.propose(Command::Leave { session: *session, secret: *secret }).await?;
         }
         Ok(Response::new(proto::DrainResponse { sessions: live.iter().map(|(id, _)| id.0).collect() }))
+    }
+
+    async fn set_maintenance(
+        &self,
+        req: Request<proto::SetMaintenanceRequest>,
+    ) -> Result<Response<proto::SetMaintenanceResponse>, Status> {
+        operators_only(&req)?;
+        let on = req.into_inner().on;
+        self.node.ensure_leader()?;
+        tracing::info!(on, "maintenance mode set at an operator's request");
+        match self.node.propose(Command::SetMaintenance { on }).await? {
+            SmResponse::MaintenanceSet { was } => Ok(Response::new(proto::SetMaintenanceResponse { was })),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn set_weight(
+        &self,
+        req: Request<proto::SetWeightRequest>,
+    ) -> Result<Response<proto::SetWeightResponse>, Status> {
+        operators_only(&req)?;
+        let proto::SetWeightRequest { name, weight } = req.into_inner();
+        // Refused before the log, as a join with these fields would be.
+        check_join(&name, weight).map_err(CoordinatorError::from)?;
+        self.node.ensure_leader()?;
+        let live = {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            applied.state.sessions().values().any(|r| r.name == name && !r.leaving)
+        };
+        if !live {
+            return Err(CoordinatorError::UnknownWorker(name).into());
+        }
+        tracing::info!(worker = %name, weight, "weight set at an operator's request");
+        match self.node.propose(Command::SetWeight { name, weight }).await? {
+            SmResponse::WeightSet { sessions } => Ok(Response::new(proto::SetWeightResponse {
+                sessions: sessions.iter().map(|s| s.0).collect(),
+            })),
+            other => Err(unexpected(other)),
+        }
     }
 
     async fn remove_member(

@@ -13,7 +13,7 @@
 use super::db::{cf, decode, encode, io_error, synced, Db, CF_PARTITIONS, CF_SESSIONS, CF_SM_META};
 use crate::codec::FormatError;
 use crate::ids::SessionId;
-use crate::ownership::{Config, Event, OwnershipState, PartitionRecord, Response, SessionRecord};
+use crate::ownership::{Config, Event, OwnershipState, PartitionRecord, Response, SessionRecord, Settings};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftSnapshotBuilder, SnapshotMeta};
@@ -28,6 +28,7 @@ const KEY_LAST_APPLIED: &[u8] = b"last_applied";
 const KEY_MEMBERSHIP: &[u8] = b"membership";
 const KEY_CONFIG: &[u8] = b"config";
 const KEY_NEXT_SESSION: &[u8] = b"next_session";
+const KEY_SETTINGS: &[u8] = b"settings";
 /// The stored snapshot: its metadata and its data, beside each other.
 const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"snapshot_data";
@@ -195,6 +196,9 @@ impl StateMachineStore {
         }
         batch.put_cf(meta, KEY_CONFIG, encode(&state.config()));
         batch.put_cf(meta, KEY_NEXT_SESSION, encode(&state.next_session()));
+        if full || changes.meta {
+            batch.put_cf(meta, KEY_SETTINGS, encode(state.settings()));
+        }
         batch.put_cf(meta, KEY_LAST_APPLIED, encode(&applied.last_applied));
         batch.put_cf(meta, KEY_MEMBERSHIP, encode(&applied.membership));
         self.db.write_opt(batch, &synced()).map_err(write_err)
@@ -239,6 +243,10 @@ pub(super) fn load(db: &Db) -> Result<Applied, StorageError> {
         Some(b) => decode(&b).map_err(read_err)?,
         None => 0,
     };
+    let settings: Settings = match get(KEY_SETTINGS)? {
+        Some(b) => decode(&b).map_err(read_err)?,
+        None => Settings::default(),
+    };
     let last_applied: Option<LogId> = match get(KEY_LAST_APPLIED)? {
         Some(b) => decode(&b).map_err(read_err)?,
         None => None,
@@ -269,7 +277,7 @@ pub(super) fn load(db: &Db) -> Result<Applied, StorageError> {
         sessions.insert(SessionId(s), record);
     }
     Ok(Applied {
-        state: OwnershipState::from_parts(config, partitions, sessions, next_session),
+        state: OwnershipState::from_parts(config, partitions, sessions, next_session).with_settings(settings),
         last_applied,
         membership,
     })

@@ -104,6 +104,51 @@ impl Coordinators {
         Ok(drained.sessions)
     }
 
+    /// Makes an operator's change, trying again (across a leader change, or while a worker is
+    /// between sessions) until it is made or `bound` has passed.
+    pub(crate) async fn operate(&self, operation: Operation, bound: Duration) -> Result<(), String> {
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            match self.operate_once(&operation).await {
+                Ok(()) => return Ok(()),
+                Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+    }
+
+    async fn operate_once(&self, operation: &Operation) -> Result<(), String> {
+        use proto::operator_client::OperatorClient;
+        let client = match self {
+            Coordinators::InProcess(c) => c.client(),
+            Coordinators::Processes(c) => c.client(),
+        };
+        match operation {
+            Operation::Maintenance(on) => {
+                let on = *on;
+                client
+                    .call_on(|channel| async move {
+                        OperatorClient::new(channel)
+                            .set_maintenance(proto::SetMaintenanceRequest { on })
+                            .await
+                    })
+                    .await
+                    .map(drop)
+            }
+            Operation::Weight(name, weight) => {
+                let request = proto::SetWeightRequest { name: name.clone(), weight: *weight };
+                client
+                    .call_on(|channel| {
+                        let request = request.clone();
+                        async move { OperatorClient::new(channel).set_weight(request).await }
+                    })
+                    .await
+                    .map(drop)
+            }
+        }
+        .map_err(|e| e.to_string())
+    }
+
     pub(crate) async fn restart(&mut self, id: NodeId) -> Result<(), String> {
         match self {
             Coordinators::InProcess(c) => c.restart(id).await.map_err(|e| e.to_string()),
@@ -171,4 +216,10 @@ impl Coordinators {
             }
         }
     }
+}
+
+/// An operator's change to the cluster, as `tenure ctl` makes it.
+pub(crate) enum Operation {
+    Maintenance(bool),
+    Weight(String, u32),
 }

@@ -51,7 +51,7 @@ pub use worker_process::{run_worker_process, WorkerProcessArgs};
 use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed, StoreRecord, WorkerOp};
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::local_cluster::{node_ip, LocalCluster};
-use coordinators::Coordinators;
+use coordinators::{Coordinators, Operation};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -97,10 +97,15 @@ pub enum FaultKind {
     /// An operator drains a worker (`ctl drain`): its session leaves as if the worker had
     /// left, and the worker, told its session ended, joins again.
     DrainWorker,
+    /// An operator turns maintenance mode on for a while (nothing is taken from a live
+    /// owner, unowned partitions are still granted), then off.
+    Maintenance,
+    /// An operator gives a worker another weight for a while, then weight 1 again.
+    SetWeight,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 17] = [
+    pub const ALL: [FaultKind; 19] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
@@ -118,6 +123,8 @@ impl FaultKind {
         FaultKind::DropWorker,
         FaultKind::StopLeaderGracefully,
         FaultKind::DrainWorker,
+        FaultKind::Maintenance,
+        FaultKind::SetWeight,
     ];
 
     pub fn name(self) -> &'static str {
@@ -139,6 +146,8 @@ impl FaultKind {
             FaultKind::DropWorker => "drop-worker",
             FaultKind::StopLeaderGracefully => "stop-leader-gracefully",
             FaultKind::DrainWorker => "drain-worker",
+            FaultKind::Maintenance => "maintenance",
+            FaultKind::SetWeight => "set-weight",
         }
     }
 
@@ -211,6 +220,8 @@ pub enum NemesisError {
     Restart(NodeId, String),
     #[error("reading node {0}'s log back: {1}")]
     Replay(NodeId, crate::store::ReplayError),
+    #[error("an operator's call: {0}")]
+    Operator(String),
 }
 
 /// A finished run: the history, its verdicts and a few totals.
@@ -883,6 +894,35 @@ async fn inject(
             let outcome = match cluster.drain(slot.name()).await {
                 Ok(sessions) => format!("sessions {sessions:?} leaving"),
                 // Between a session's end and the worker's next join there is none to drain.
+                Err(e) => format!("refused: {e}"),
+            };
+            Ok(format!("{} {} ({outcome})", kind.name(), slot.name()))
+        }
+        FaultKind::Maintenance => {
+            cluster.operate(Operation::Maintenance(true), settle).await.map_err(NemesisError::Operator)?;
+            let held = jitter(rng, ttl / 2, ttl * 3 / 2);
+            tokio::time::sleep(held).await;
+            // Off again whatever happens meanwhile: the run's recovery wants a balanced table.
+            cluster.operate(Operation::Maintenance(false), settle).await.map_err(NemesisError::Operator)?;
+            Ok(format!("{} for {} ms", kind.name(), held.as_millis()))
+        }
+        FaultKind::SetWeight => {
+            let slot = &slots[rng.random_range(0..slots.len())];
+            let weight = rng.random_range(2..=4);
+            let held = jitter(rng, ttl / 2, ttl * 3 / 2);
+            // A worker between sessions (after a drain, a leave) has no weight to set: refused.
+            let outcome = match cluster.operate(Operation::Weight(slot.name().into(), weight), ttl * 2).await
+            {
+                Ok(()) => {
+                    tokio::time::sleep(held).await;
+                    // The weight outlives sessions, so it must go back to 1 for the run's
+                    // balanced recovery; the worker may be rejoining: keep trying.
+                    cluster
+                        .operate(Operation::Weight(slot.name().into(), 1), settle)
+                        .await
+                        .map_err(NemesisError::Operator)?;
+                    format!("weight {weight} for {} ms", held.as_millis())
+                }
                 Err(e) => format!("refused: {e}"),
             };
             Ok(format!("{} {} ({outcome})", kind.name(), slot.name()))
