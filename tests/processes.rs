@@ -186,9 +186,24 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     let certs = make_certs(dir.path(), 3, "proc-worker");
     let mut children = Processes(Vec::new());
     for id in 1..=3 {
-        let child = serve(id, &peers, &certs, dir.path()).args(["--lease-ttl-ms", "3000"]).spawn().unwrap();
-        children.0.push(child);
+        let mut command = serve(id, &peers, &certs, dir.path());
+        command.args(["--lease-ttl-ms", "3000"]);
+        if id == 1 {
+            command.args(["--log-format", "json"]).stderr(Stdio::piped());
+        }
+        children.0.push(command.spawn().unwrap());
     }
+    // Node 1 logs one JSON object per line, for a log pipeline.
+    let logs = std::io::BufReader::new(children.0[0].stderr.take().unwrap());
+    let (logged, log_lines) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in logs.lines().map_while(Result::ok) {
+            let _ = logged.send(line);
+        }
+    });
+    let line = log_lines.recv_timeout(Duration::from_secs(60)).expect("node 1 logs as it starts");
+    let record: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+    assert!(record["level"].is_string() && record["fields"]["message"].is_string(), "{record}");
     let endpoint = |id: usize| format!("127.0.0.1:{}", ports[id - 1]);
     let coordinators = (1..=3).map(endpoint).collect::<Vec<_>>().join(",");
     let status = until("a leader and a configured table", || {

@@ -50,6 +50,12 @@ enum Command {
     NemesisWorker(NemesisWorkerArgs),
 }
 
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
 #[derive(Args)]
 struct NemesisWorkerArgs {
     #[arg(long, value_delimiter = ',', required = true)]
@@ -121,6 +127,10 @@ impl ClientTlsArgs {
 
 #[derive(Args)]
 struct ServeArgs {
+    /// How log lines are written to stderr: text for people, or one JSON object per line for a
+    /// log pipeline.
+    #[arg(long, env = "TENURE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     /// This node's id (1, 2, ...); must appear in --peers.
     #[arg(long, env = "TENURE_NODE_ID")]
     id: NodeId,
@@ -357,12 +367,16 @@ async fn main() -> Result<()> {
         Command::SimulateStack(_) => "error,openraft=off",
         _ => "warn,openraft=off",
     };
-    tracing_subscriber::fmt()
+    let json = matches!(&cli.command, Command::Serve(args) if args.log_format == LogFormat::Json);
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match json {
+        true => logs.json().init(),
+        false => logs.init(),
+    }
     match cli.command {
         Command::Serve(args) => serve(args).await,
         Command::Demo(args) => {
