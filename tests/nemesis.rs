@@ -35,11 +35,39 @@ fn print_outcome(config: &NemesisConfig, outcome: &nemesis::Outcome) {
     println!("{}", outcome.report);
 }
 
+/// The end of every process log the run left in `dir` (nodes and worker processes write theirs
+/// there), so a failed run says what its processes said before the directory is deleted.
+fn print_log_tails(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for path in entries.filter_map(Result::ok).map(|e| e.path()) {
+        if path.is_dir() {
+            print_log_tails(&path);
+        } else if path.extension().is_some_and(|e| e == "log") {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            // A panic's message comes before its backtrace, which would fill the tail.
+            for (i, _) in lines.iter().enumerate().filter(|(_, l)| l.contains("panicked at")) {
+                println!("--- {} panicked:", path.display());
+                for line in &lines[i..(i + 3).min(lines.len())] {
+                    println!("{line}");
+                }
+            }
+            println!("--- last lines of {}:", path.display());
+            for line in &lines[lines.len().saturating_sub(20)..] {
+                println!("{line}");
+            }
+        }
+    }
+}
+
 /// Runs `config` and requires what every run here must show: every invariant held, none
 /// skipped, and enough done for the verdicts to mean something.
 async fn run_keeping_every_invariant(config: &NemesisConfig, dir: &std::path::Path) -> nemesis::Outcome {
     let outcome = nemesis::run(config, dir).await.expect("the run completes");
     print_outcome(config, &outcome);
+    if !outcome.report.passed() || !outcome.shortfalls(config.fencing).is_empty() {
+        print_log_tails(dir);
+    }
     assert!(outcome.report.passed(), "seed {} violated invariants:\n{}", config.seed, outcome.report);
     assert!(outcome.report.verdicts.iter().all(|v| v.skipped.is_none()), "{}", outcome.report);
     assert_eq!(outcome.shortfalls(config.fencing), Vec::<String>::new(), "the run did too little");

@@ -38,21 +38,25 @@ fn http_get(addr: &str, path: &str) -> Option<String> {
 /// `tenure ctl ARGS` as the operator `ops` whose certificate is in `certs`: what it printed,
 /// or what it said on failure.
 fn ctl(coordinators: &str, certs: &Path, args: &[&str]) -> Result<String, String> {
-    let out = Command::new(BIN)
+    let out = ctl_command(coordinators, certs).args(args).output().map_err(|e| e.to_string())?;
+    match out.status.success() {
+        true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
+        false => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
+    }
+}
+
+/// `tenure ctl` as the operator `ops`, its command still to be given.
+fn ctl_command(coordinators: &str, certs: &Path) -> Command {
+    let mut command = Command::new(BIN);
+    command
         .args(["ctl", "--coordinators", coordinators])
         .arg("--tls-ca")
         .arg(certs.join("ca.pem"))
         .arg("--tls-cert")
         .arg(certs.join("operator-ops.pem"))
         .arg("--tls-key")
-        .arg(certs.join("operator-ops-key.pem"))
-        .args(args)
-        .output()
-        .map_err(|e| e.to_string())?;
-    match out.status.success() {
-        true => Ok(String::from_utf8_lossy(&out.stdout).into_owned()),
-        false => Err(String::from_utf8_lossy(&out.stderr).into_owned()),
-    }
+        .arg(certs.join("operator-ops-key.pem"));
+    command
 }
 
 /// `tenure ctl status` as the operator `ops`.
@@ -73,27 +77,19 @@ fn until<T>(what: &str, mut f: impl FnMut() -> Option<T>) -> T {
 
 #[test]
 fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let metrics: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let peers = peers_flag(&ports);
-    let certs = make_certs(dir.path(), 3, "proc-worker");
-    let mut children = Processes(Vec::new());
-    for (i, metrics_port) in metrics.iter().enumerate() {
-        let id = i + 1;
-        let child = serve(id, &peers, &certs, dir.path())
+    // Every address by host name: --peers, the worker's and ctl's endpoints.
+    let nodes = ThreeNodes::start_on("localhost", "proc-worker", |id, command| {
+        command
             .args(["--lease-ttl-ms", "2000", "--gauge-refresh-ms", "200"])
-            .args(["--metrics-listen", &format!("127.0.0.1:{metrics_port}")])
-            .spawn()
-            .unwrap();
-        children.0.push(child);
-    }
-    let coordinators = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+            .args(["--metrics-listen", &format!("127.0.0.1:{}", metrics[id - 1])]);
+    });
+    let (certs, coordinators) = (&nodes.certs, nodes.endpoints());
     let status = until("a leader and a configured table", || {
-        ctl_status(&coordinators, &certs)
+        ctl_status(&coordinators, certs)
             .filter(|s| s.contains("16 partitions") && !s.contains("leader: node 0"))
     });
-    assert!(status.contains("nodes: 1=127.0.0.1:"), "{status}");
+    assert!(status.contains("nodes: 1=localhost:"), "{status}");
     // Without a certificate, ctl gets nothing: it must say how to give one, or be told
     // --insecure, which this cluster refuses at the handshake.
     let bare = Command::new(BIN).args(["ctl", "--coordinators", &coordinators, "status"]).output().unwrap();
@@ -107,9 +103,9 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
 
     // A worker joins through the library; ctl then shows it owning all 16 partitions.
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let worker = join_worker(&runtime, &coordinators, &certs);
+    let worker = join_worker(&runtime, &coordinators, certs);
     let status = until("the worker owns every partition", || {
-        ctl_status(&coordinators, &certs).filter(|s| s.contains("owns 16"))
+        ctl_status(&coordinators, certs).filter(|s| s.contains("owns 16"))
     });
     assert!(status.contains("proc-worker"), "{status}");
 
@@ -132,6 +128,41 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
         let series = body.lines().filter(|l| l.starts_with("tenure_grants_total{")).count();
         assert_eq!(series, 1, "node {id} exports one grants series, its own:\n{body}");
     }
+    // Raft's figures: one node calls itself the leader, every node names it, the leader tracks
+    // both followers' replication and has answered the worker's renewals in batches.
+    let refused = ctl(&coordinators, certs, &["drain", "nobody"]).unwrap_err();
+    assert!(refused.contains("nobody"), "{refused}");
+    let scrapes = until("Raft and renewal figures in the metrics", || {
+        let bodies: Vec<String> =
+            metrics.iter().map(|m| http_get(&format!("127.0.0.1:{m}"), "/metrics")).collect::<Option<_>>()?;
+        let leaders: Vec<usize> = (1..=3)
+            .filter(|id| {
+                sample(&bodies[id - 1], &format!("tenure_raft_is_leader{{node=\"{id}\"}}")) == Some(1.0)
+            })
+            .collect();
+        let [leader] = leaders[..] else { return None };
+        let named = (1..=3).all(|id| {
+            sample(&bodies[id - 1], &format!("tenure_raft_leader{{node=\"{id}\"}}")) == Some(leader as f64)
+        });
+        let body = &bodies[leader - 1];
+        let renewals = sample(body, &format!("tenure_renewal_batch_size_count{{node=\"{leader}\"}}"))
+            .is_some_and(|n| n > 0.0)
+            && body.contains(&format!("tenure_renewal_seconds_count{{node=\"{leader}\"}}"));
+        let followers = body.lines().filter(|l| l.starts_with("tenure_raft_replication_lag{")).count();
+        let refusals = bodies.iter().any(|b| b.contains("tenure_refusals_total{reason=\"unknown_worker\"}"));
+        (named && renewals && followers == 2 && refusals).then_some((leader, bodies))
+    });
+    let (leader, bodies) = scrapes;
+    for (i, body) in bodies.iter().enumerate() {
+        let id = i + 1;
+        let term = sample(body, &format!("tenure_raft_term{{node=\"{id}\"}}")).expect("a term");
+        assert!(term >= 1.0, "node {id}:\n{body}");
+        let applied = sample(body, &format!("tenure_raft_applied_index{{node=\"{id}\"}}")).expect("applied");
+        assert!(applied >= 3.0, "node {id} applied the configuration and the grants:\n{body}");
+        assert!(body.contains(&format!("tenure_raft_apply_lag{{node=\"{id}\"}}")), "{body}");
+        assert!(body.contains(&format!("tenure_moves_in_flight{{node=\"{id}\"}} 0")), "{body}");
+    }
+    assert!(bodies[leader - 1].contains("tenure_raft_quorum_ack_age_seconds"), "{}", bodies[leader - 1]);
     // A worker's gauge lives as long as its session, on every node: once it leaves, the series
     // is dropped rather than kept at its last value for ever.
     let series = "tenure_owned_partitions{worker=\"proc-worker\"}";
@@ -148,6 +179,11 @@ fn three_serve_processes_form_a_cluster_that_ctl_and_prometheus_can_read() {
     }
     let body = http_get(&format!("127.0.0.1:{}", metrics[0]), "/metrics").expect("a scrape");
     assert!(body.contains("tenure_grants_total"), "counters are kept: {body}");
+}
+
+/// The value of the sample named exactly `series` (name and labels) in a Prometheus scrape.
+fn sample(body: &str, series: &str) -> Option<f64> {
+    body.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
 /// `tenure ctl -w json ARGS`: the one JSON document it printed.
@@ -179,33 +215,20 @@ fn join_worker(runtime: &tokio::runtime::Runtime, coordinators: &str, certs: &Pa
 #[test]
 fn ctl_reads_tables_and_json_from_a_running_cluster() {
     use serde_json::Value;
-    use std::io::BufRead;
-    let dir = tempfile::tempdir().unwrap();
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let peers = peers_flag(&ports);
-    let certs = make_certs(dir.path(), 3, "proc-worker");
-    let mut children = Processes(Vec::new());
-    for id in 1..=3 {
-        let mut command = serve(id, &peers, &certs, dir.path());
+    let mut nodes = ThreeNodes::start("proc-worker", |id, command| {
         command.args(["--lease-ttl-ms", "3000"]);
         if id == 1 {
             command.args(["--log-format", "json"]).stderr(Stdio::piped());
         }
-        children.0.push(command.spawn().unwrap());
-    }
-    // Node 1 logs one JSON object per line, for a log pipeline.
-    let logs = std::io::BufReader::new(children.0[0].stderr.take().unwrap());
-    let (logged, log_lines) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in logs.lines().map_while(Result::ok) {
-            let _ = logged.send(line);
-        }
     });
+    // Node 1 logs one JSON object per line, for a log pipeline.
+    let log_lines = lines_of(nodes.children.0[0].stderr.take().unwrap());
     let line = log_lines.recv_timeout(Duration::from_secs(60)).expect("node 1 logs as it starts");
     let record: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
     assert!(record["level"].is_string() && record["fields"]["message"].is_string(), "{record}");
-    let endpoint = |id: usize| format!("127.0.0.1:{}", ports[id - 1]);
-    let coordinators = (1..=3).map(endpoint).collect::<Vec<_>>().join(",");
+    let (certs, coordinators) = (nodes.certs.clone(), nodes.endpoints());
+    let endpoints: Vec<String> = (1..=3).map(|id| nodes.endpoint(id)).collect();
+    let endpoint = |id: usize| endpoints[id - 1].clone();
     let status = until("a leader and a configured table", || {
         ctl_json(&coordinators, &certs, &["status"])
             .ok()
@@ -217,38 +240,11 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     let leader = status["leader"]["id"].as_u64().unwrap() as usize;
 
     // A watch started before the worker joins prints the 16 grants as they commit.
-    let mut watch = Command::new(BIN)
-        .args(["ctl", "--endpoints", &coordinators, "-w", "json"])
-        .arg("--tls-ca")
-        .arg(certs.join("ca.pem"))
-        .arg("--tls-cert")
-        .arg(certs.join("operator-ops.pem"))
-        .arg("--tls-key")
-        .arg(certs.join("operator-ops-key.pem"))
-        .args(["watch", "--max-events", "16"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (said, heard) = std::sync::mpsc::channel();
-    let stderr = std::io::BufReader::new(watch.stderr.take().unwrap());
-    std::thread::spawn(move || {
-        for line in stderr.lines().map_while(Result::ok) {
-            let _ = said.send(line);
-        }
-    });
-    let first = heard.recv_timeout(Duration::from_secs(60)).expect("the watch reports it is watching");
-    assert_eq!(first, "watching 16 partitions");
+    let watch = Watch::start(&coordinators, &certs, 16);
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let worker = join_worker(&runtime, &coordinators, &certs);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while watch.try_wait().unwrap().is_none() {
-        assert!(Instant::now() < deadline, "the watch never saw 16 changes");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let mut printed = String::new();
-    watch.stdout.take().unwrap().read_to_string(&mut printed).unwrap();
-    let changes: Vec<Value> = printed.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let changes = watch.changes();
+    let printed = changes.iter().map(Value::to_string).collect::<Vec<_>>().join("\n");
     let mut granted: Vec<u64> = changes.iter().map(|c| c["partition"].as_u64().unwrap()).collect();
     granted.sort();
     assert_eq!(granted, (0..16).collect::<Vec<u64>>(), "one grant per partition:\n{printed}");
@@ -373,16 +369,6 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     let refused = ctl(&coordinators, &certs, &["weight", "nobody", "2"]).unwrap_err();
     assert!(refused.contains("no worker named \"nobody\""), "{refused}");
 
-    // A dead node shows as one: health exits non-zero naming it, status reports its error.
-    let dead = if leader == 3 { 2 } else { 3 };
-    children.0[dead - 1].kill().unwrap();
-    children.0[dead - 1].wait().unwrap();
-    let unhealthy = ctl(&coordinators, &certs, &["-w", "json", "endpoint", "health"]).unwrap_err();
-    assert!(unhealthy.contains("1 of 3 endpoints are unhealthy"), "{unhealthy}");
-    let status = ctl_json(&coordinators, &certs, &["endpoint", "status"]).unwrap();
-    let row = status.as_array().unwrap().iter().find(|e| e["endpoint"] == endpoint(dead)).unwrap().clone();
-    assert!(row["error"].is_string() && row["id"].is_null(), "{row}");
-
     // Drain: the worker's session is set leaving, as its own leave would set it. With no other
     // worker to move its partitions to, it keeps them (and renews them) meanwhile.
     let drained = ctl_json(&coordinators, &certs, &["drain", "proc-worker"]).unwrap();
@@ -391,12 +377,151 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     assert_eq!(sessions["sessions"][0]["leaving"], true, "{sessions}");
     let refused = ctl(&coordinators, &certs, &["drain", "proc-worker"]).unwrap_err();
     assert!(refused.contains("no worker named \"proc-worker\" has a live session"), "{refused}");
-    drop(worker);
+
+    // A watch that was away while the leader died and the table changed: held stopped, it
+    // finds its stream gone when it resumes, follows the new leader and reports what changed
+    // meanwhile (the worker left: every partition is unowned), as the outcome of each.
+    let watch = Watch::start(&coordinators, &certs, 16);
+    watch.signal("STOP");
+    let dead = leader;
+    nodes.children.0[dead - 1].kill().unwrap();
+    nodes.children.0[dead - 1].wait().unwrap();
+    if let Err(e) = runtime.block_on(worker.leave()) {
+        let said: Vec<String> = log_lines.try_iter().filter(|l| !l.contains("openraft")).collect();
+        panic!("the worker leaves under the new leader: {e}; node 1 said:\n{}", said.join("\n"));
+    }
+    until("every partition is unowned", || {
+        ctl_json(&coordinators, &certs, &["status"]).ok().filter(|s| s["unowned"] == 16)
+    });
+    watch.signal("CONT");
+    let changes = watch.changes();
+    let mut freed: Vec<u64> = changes.iter().map(|c| c["partition"].as_u64().unwrap()).collect();
+    freed.sort();
+    assert_eq!(freed, (0..16).collect::<Vec<u64>>(), "{changes:?}");
+    assert!(changes.iter().all(|c| c["owner"].is_null()), "{changes:?}");
+
+    // A dead node shows as one: health exits non-zero naming it, status reports its error.
+    let unhealthy = ctl(&coordinators, &certs, &["-w", "json", "endpoint", "health"]).unwrap_err();
+    assert!(unhealthy.contains("1 of 3 endpoints are unhealthy"), "{unhealthy}");
+    let status = ctl_json(&coordinators, &certs, &["endpoint", "status"]).unwrap();
+    let row = status.as_array().unwrap().iter().find(|e| e["endpoint"] == endpoint(dead)).unwrap().clone();
+    assert!(row["error"].is_string() && row["id"].is_null(), "{row}");
+}
+
+/// Sends `child` the signal `name` (TERM, STOP, CONT).
+fn signal(child: &Child, name: &str) {
+    let sent = Command::new("sh").arg("-c").arg(format!("kill -{name} {}", child.id())).status().unwrap();
+    assert!(sent.success(), "SIG{name} to process {}", child.id());
+}
+
+/// Each line `reader` gives, as it comes, on a channel (a thread reads, so a child's pipe never
+/// fills up).
+fn lines_of(reader: impl Read + Send + 'static) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(reader).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
+}
+
+/// `tenure ctl -w json watch --max-events N` as the operator `ops`, started and watching;
+/// killed if dropped before it is read.
+struct Watch(Option<Child>);
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Watch {
+    /// Returns once the watch has read every partition's route (its baseline).
+    fn start(coordinators: &str, certs: &Path, max_events: u64) -> Watch {
+        let mut child = ctl_command(coordinators, certs)
+            .args(["-w", "json", "watch", "--max-events", &max_events.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let said = lines_of(child.stderr.take().unwrap());
+        let first = said.recv_timeout(Duration::from_secs(60)).expect("the watch reports it is watching");
+        assert_eq!(first, "watching 16 partitions");
+        Watch(Some(child))
+    }
+
+    fn signal(&self, name: &str) {
+        signal(self.0.as_ref().expect("running"), name);
+    }
+
+    /// The changes it printed, once it has printed its `max_events` and exited.
+    fn changes(mut self) -> Vec<serde_json::Value> {
+        let mut child = self.0.take().expect("running");
+        let exited = until("the watch has printed its changes and exited", || child.try_wait().unwrap());
+        assert!(exited.success(), "{exited:?}");
+        let mut printed = String::new();
+        child.stdout.take().unwrap().read_to_string(&mut printed).unwrap();
+        printed.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    }
+}
+
+/// Three `tenure serve` processes on free loopback ports with the development certificates
+/// (the worker of [`make_certs`] and the operator `ops`), killed when dropped.
+struct ThreeNodes {
+    /// What every address names the nodes' host by: an IP literal or a host name.
+    host: &'static str,
+    dir: tempfile::TempDir,
+    ports: Vec<u16>,
+    peers: String,
+    certs: std::path::PathBuf,
+    children: Processes,
+}
+
+impl ThreeNodes {
+    /// Starts them; `tweak` adds to node `id`'s command before it runs.
+    fn start(worker: &str, tweak: impl FnMut(usize, &mut Command)) -> ThreeNodes {
+        ThreeNodes::start_on("127.0.0.1", worker, tweak)
+    }
+
+    /// As [`ThreeNodes::start`], with `host` in every address (`--peers`, the endpoints).
+    fn start_on(host: &'static str, worker: &str, mut tweak: impl FnMut(usize, &mut Command)) -> ThreeNodes {
+        let dir = tempfile::tempdir().unwrap();
+        let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let peers = peers_flag(host, &ports);
+        let certs = make_certs(dir.path(), 3, worker);
+        let mut nodes = ThreeNodes { host, dir, ports, peers, certs, children: Processes(Vec::new()) };
+        for id in 1..=3 {
+            let mut command = nodes.serve(id);
+            tweak(id, &mut command);
+            nodes.children.0.push(command.spawn().unwrap());
+        }
+        nodes
+    }
+
+    /// `tenure serve` for node `id`, as it started (for a restart).
+    fn serve(&self, id: usize) -> Command {
+        serve(id, &self.peers, &self.certs, self.dir.path())
+    }
+
+    /// Node `id`'s client address.
+    fn endpoint(&self, id: usize) -> String {
+        format!("{}:{}", self.host, self.ports[id - 1])
+    }
+
+    /// Every node's client address, comma separated.
+    fn endpoints(&self) -> String {
+        (1..=3).map(|id| self.endpoint(id)).collect::<Vec<_>>().join(",")
+    }
 }
 
 /// `--peers` for three nodes serving clients on `client_ports`, each with a free peer port.
-fn peers_flag(client_ports: &[u16]) -> String {
-    let pair = |(i, port): (usize, &u16)| format!("{}=127.0.0.1:{port}/127.0.0.1:{}", i + 1, free_port());
+fn peers_flag(host: &str, client_ports: &[u16]) -> String {
+    let pair = |(i, port): (usize, &u16)| format!("{}={host}:{port}/{host}:{}", i + 1, free_port());
     client_ports.iter().enumerate().map(pair).collect::<Vec<_>>().join(",")
 }
 
@@ -429,8 +554,13 @@ fn serve(id: usize, peers: &str, certs: &Path, dir: &Path) -> Command {
         .arg("--data-dir")
         .arg(dir.join(format!("n{id}")))
         .args(["--partitions", "16"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stdout(Stdio::null());
+    // TENURE_TEST_NODE_LOGS=1 lets the nodes' logs through, to see what a failing run did.
+    if std::env::var_os("TENURE_TEST_NODE_LOGS").is_some() {
+        command.stderr(Stdio::inherit());
+    } else {
+        command.stderr(Stdio::null());
+    }
     command
 }
 
@@ -439,15 +569,9 @@ fn serve(id: usize, peers: &str, certs: &Path, dir: &Path) -> Command {
 /// worker, in this process, never loses a partition and no partition changes owner or token.
 #[test]
 fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
-    let dir = tempfile::tempdir().unwrap();
-    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-    let peers = peers_flag(&ports);
-    let certs = make_certs(dir.path(), 3, "roller");
-    let mut children = Processes(Vec::new());
-    for id in 1..=3 {
-        children.0.push(serve(id, &peers, &certs, dir.path()).spawn().unwrap());
-    }
-    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let mut nodes = ThreeNodes::start("roller", |_, _| {});
+    let certs = nodes.certs.clone();
+    let addrs: Vec<String> = (1..=3).map(|id| nodes.endpoint(id)).collect();
     let tls = |principal: &str| {
         let file = |suffix: &str| certs.join(format!("{principal}{suffix}"));
         ClientTls::from_files(&certs.join("ca.pem"), &file(".pem"), &file("-key.pem")).unwrap()
@@ -476,13 +600,11 @@ fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
     for id in 1..=3usize {
         let leader = (1..=3).find_map(|i| view_of(&runtime, i)).map(|s| s.leader_id).unwrap_or(0);
         handed_over |= leader == id as u64;
-        let child = &mut children.0[id - 1];
-        let signalled =
-            Command::new("sh").arg("-c").arg(format!("kill -TERM {}", child.id())).status().unwrap();
-        assert!(signalled.success());
+        let child = &mut nodes.children.0[id - 1];
+        signal(child, "TERM");
         let exited = until(&format!("node {id} exits after SIGTERM"), || child.try_wait().unwrap());
         assert!(exited.success(), "node {id} stopped cleanly: {exited:?}");
-        *child = serve(id, &peers, &certs, dir.path()).spawn().unwrap();
+        nodes.children.0[id - 1] = nodes.serve(id).spawn().unwrap();
         until(&format!("node {id} is back and knows a leader"), || {
             view_of(&runtime, id).filter(|s| s.leader_id != 0)
         });

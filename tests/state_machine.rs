@@ -719,13 +719,12 @@ fn maintenance_mode_grants_unowned_partitions_but_takes_none_from_a_live_owner()
     assert!(s.revoking(w1).is_empty() && s.owned(w3).is_empty());
     s.commit(Command::Expire { sessions: vec![w1] });
     assert_eq!(s.owned(w3).len(), 12, "w1's lost partitions are unowned, and granted to w3");
-    let (w4, secret4) = s.join("w4");
+    let (w4, _) = s.join("w4");
     assert!(s.owned(w4).is_empty());
     let (r, events) = s.commit(Command::SetMaintenance { on: false });
     assert_eq!(r, Response::MaintenanceSet { was: true });
     assert_eq!(events[0], Event::MaintenanceChanged { on: false });
     assert_eq!(s.revoking(w3).len(), 6, "once it is off, the leader balances again");
-    let _ = secret4;
     s.check();
     // The setting survives a snapshot.
     s.commit(Command::SetMaintenance { on: true });

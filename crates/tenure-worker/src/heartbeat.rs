@@ -141,7 +141,8 @@ impl Worker {
                 let pause = match outcome {
                     Ok(renewed) => {
                         let unreleased = shared.renewed(sent, &renewed);
-                        if !unreleased.is_empty() {
+                        let leaving = shared.leaving.load(std::sync::atomic::Ordering::SeqCst);
+                        if !unreleased.is_empty() && !leaving {
                             // A release that did not get through: sent again beside the
                             // heartbeats, which must not wait for it.
                             let (partitions, tokens): (Vec<u32>, Vec<u64>) = unreleased.into_iter().unzip();

@@ -265,8 +265,13 @@ impl Worker {
     /// session's partitions are revoked and all released at once, the session ends and the
     /// background tasks stop.
     pub async fn leave(&self) -> Result<(), ClientError> {
+        self.shared.leaving.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.withdraw(None);
-        leave_session(&self.client, self.session, self.secret.clone()).await?;
+        if let Err(e) = leave_session(&self.client, self.session, self.secret.clone()).await {
+            // Not left: the heartbeats may release what was withdrawn, as they would have.
+            self.shared.leaving.store(false, std::sync::atomic::Ordering::SeqCst);
+            return Err(e);
+        }
         self.left.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.end_session("left".into());
         self.cancel.cancel();

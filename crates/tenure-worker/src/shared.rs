@@ -42,6 +42,11 @@ pub(crate) struct Shared {
     pub(super) moved: Notify,
     /// The node the ownership stream is open on, if it is open.
     pub(super) watching: Mutex<Option<String>>,
+    /// Set by a graceful leave, which releases everything itself after its `Leave` call: the
+    /// heartbeat must not release withdrawn partitions behind its back, since releasing the
+    /// last partition of a session already leaving (drained by an operator) ends it before
+    /// its own `Leave` arrives.
+    pub(super) leaving: std::sync::atomic::AtomicBool,
     pub(super) session_over: CancellationToken,
 }
 
@@ -61,6 +66,7 @@ impl Shared {
             confirmed: Notify::new(),
             moved: Notify::new(),
             watching: Mutex::new(None),
+            leaving: std::sync::atomic::AtomicBool::new(false),
             session_over,
         }
     }

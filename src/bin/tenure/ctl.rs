@@ -165,10 +165,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
     let out = match args.what {
         CtlCommand::Status => {
             let status = read(StatusRequest::default(), None).await?;
-            match json {
-                true => status_json(&status),
-                false => Rendered::Text(super::demo::render_status(&status)),
-            }
+            shown(json, || super::demo::render_status(&status), || status_json(&status))
         }
         CtlCommand::Member(command) => member(&client, command).await?.render(json),
         CtlCommand::Endpoint(EndpointCommand::Status { cluster }) => {
@@ -177,9 +174,8 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         }
         CtlCommand::Endpoint(EndpointCommand::Health { cluster }) => {
             let endpoints = endpoints(&client, &args.endpoints, cluster, linearizable).await?;
-            let report = endpoint_health(&endpoints, tls.as_ref()).await;
-            let unhealthy = report.unhealthy;
-            print!("{}", report.table.render(json).text());
+            let (report, unhealthy) = endpoint_health(&endpoints, tls.as_ref()).await;
+            print!("{}", report.render(json));
             if unhealthy > 0 {
                 bail!("{unhealthy} of {} endpoints are unhealthy", endpoints.len());
             }
@@ -190,8 +186,9 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             sessions(&status).render(json)
         }
         CtlCommand::Partition(PartitionCommand::List { owner, limit }) => {
+            // At most `limit` rows arrive: each page asks for what is still missing.
             let status = read(StatusRequest { owner, ..Default::default() }, limit).await?;
-            partitions(&status, limit).render(json)
+            partitions(&status).render(json)
         }
         CtlCommand::Partition(PartitionCommand::Get { partition }) => {
             let status =
@@ -203,6 +200,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             partition_table(&status, row).render(json)
         }
         CtlCommand::Key { key } => {
+            // The partition count first: the key's partition depends on it.
             let counts = read(StatusRequest { omit_partitions: true, ..Default::default() }, None).await?;
             let space = tenure::keyspace::KeySpace::new(counts.partition_count)
                 .map_err(|e| anyhow::anyhow!("the cluster has no partition table yet ({e})"))?;
@@ -213,89 +211,74 @@ pub async fn run(args: CtlArgs) -> Result<()> {
                 status.partitions.first().context("the cluster did not answer with the key's partition")?;
             let range = space.range(p).context("the key's partition is out of range")?;
             let hash = tenure::keyspace::hash_key(key.as_bytes());
-            let mut shown = partition_table(&status, row);
-            if let Value::Object(fields) = &mut shown.json {
+            let mut table = partition_table(&status, row);
+            if let Value::Object(fields) = &mut table.json {
                 fields.insert("key".into(), json!(key));
                 fields.insert("hash".into(), json!(hash));
                 fields.insert("range".into(), json!({ "start": range.start, "end": range.end }));
             }
-            match json {
-                true => Rendered::Json(shown.json),
-                false => Rendered::Text(format!(
+            let text = || {
+                format!(
                     "key {key:?} hashes to {hash:#018x}, in partition {} [{:#018x}, {:#018x}]\n{}",
                     p.0,
                     range.start,
                     range.end,
-                    shown.render(false).text()
-                )),
-            }
+                    table.render(false)
+                )
+            };
+            shown(json, text, || table.json.clone())
         }
         CtlCommand::Drain { name } => {
             let request = proto::DrainRequest { name: name.clone() };
-            let drained = client
-                .call_on(|c| {
-                    let request = request.clone();
-                    async move { OperatorClient::new(c).drain(request).await }
-                })
-                .await?;
-            match json {
-                true => Rendered::Json(json!({ "worker": name, "sessions": drained.sessions })),
-                false => Rendered::Text(format!(
+            let drained = operator(&client, request, |mut c, r| async move { c.drain(r).await }).await?;
+            let text = || {
+                format!(
                     "draining {name}: sessions {:?} are leaving; their partitions move as they are given back\n",
                     drained.sessions
-                )),
-            }
+                )
+            };
+            shown(json, text, || json!({ "worker": name, "sessions": drained.sessions }))
         }
         CtlCommand::Maintenance { mode } => {
             let on = mode == OnOff::On;
-            let set = client
-                .call_on(|c| async move {
-                    OperatorClient::new(c).set_maintenance(proto::SetMaintenanceRequest { on }).await
-                })
-                .await?;
+            let request = proto::SetMaintenanceRequest { on };
+            let set =
+                operator(&client, request, |mut c, r| async move { c.set_maintenance(r).await }).await?;
             let word = |on: bool| if on { "on" } else { "off" };
-            match json {
-                true => Rendered::Json(json!({ "maintenance": on, "was": set.was })),
-                false => Rendered::Text(format!("maintenance mode {} (was {})\n", word(on), word(set.was))),
-            }
+            let text = || format!("maintenance mode {} (was {})\n", word(on), word(set.was));
+            shown(json, text, || json!({ "maintenance": on, "was": set.was }))
         }
         CtlCommand::Weight { name, weight } => {
             let request = proto::SetWeightRequest { name: name.clone(), weight };
-            let set = client
-                .call_on(|c| {
-                    let request = request.clone();
-                    async move { OperatorClient::new(c).set_weight(request).await }
-                })
-                .await?;
-            match json {
-                true => Rendered::Json(json!({ "worker": name, "weight": weight, "sessions": set.sessions })),
-                false => {
-                    Rendered::Text(format!("{name} has weight {weight} (sessions {:?})\n", set.sessions))
-                }
-            }
+            let set = operator(&client, request, |mut c, r| async move { c.set_weight(r).await }).await?;
+            let text = || format!("{name} has weight {weight} (sessions {:?})\n", set.sessions);
+            shown(json, text, || json!({ "worker": name, "weight": weight, "sessions": set.sessions }))
         }
         CtlCommand::Watch { max_events } => return watch(&client, json, max_events).await,
     };
-    print!("{}", out.text());
+    print!("{out}");
     Ok(())
 }
 
-/// What a command prints: text, or a JSON document (printed on one line, then a newline).
-enum Rendered {
-    Text(String),
-    Json(Value),
-}
-
-impl Rendered {
-    fn text(&self) -> String {
-        match self {
-            Rendered::Text(s) => s.clone(),
-            Rendered::Json(v) => format!("{v}\n"),
-        }
+/// What a command prints: its text, or its JSON document on one line.
+fn shown(json: bool, text: impl FnOnce() -> String, document: impl FnOnce() -> Value) -> String {
+    match json {
+        true => format!("{}\n", document()),
+        false => text(),
     }
 }
 
-/// Builds the table or the JSON of one command from the same rows.
+/// One call of the operator service, made on the leader (followed like any call).
+async fn operator<R, T, F, Fut>(client: &Client, request: R, call: F) -> Result<T>
+where
+    R: Clone,
+    F: Fn(OperatorClient<tonic::transport::Channel>, R) -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    Ok(client.call_on(|channel| call(OperatorClient::new(channel), request.clone())).await?)
+}
+
+/// The rows of one command, shown as a table or as its JSON document.
 struct Table {
     header: Vec<&'static str>,
     rows: Vec<Vec<String>>,
@@ -303,10 +286,11 @@ struct Table {
 }
 
 impl Table {
-    fn render(&self, json: bool) -> Rendered {
-        if json {
-            return Rendered::Json(self.json.clone());
-        }
+    fn render(&self, json: bool) -> String {
+        shown(json, || self.text(), || self.json.clone())
+    }
+
+    fn text(&self) -> String {
         let mut widths: Vec<usize> = self.header.iter().map(|h| h.len()).collect();
         for row in &self.rows {
             for (w, cell) in widths.iter_mut().zip(row) {
@@ -322,7 +306,7 @@ impl Table {
         for row in &self.rows {
             line(&mut row.iter().map(String::as_str));
         }
-        Rendered::Text(out)
+        out
     }
 }
 
@@ -330,9 +314,9 @@ fn millis(ms: Option<u64>) -> String {
     ms.map(|ms| format!("{:.1}s", ms as f64 / 1000.0)).unwrap_or_else(|| "-".into())
 }
 
-fn status_json(s: &StatusResponse) -> Rendered {
+fn status_json(s: &StatusResponse) -> Value {
     let names = session_names(s);
-    Rendered::Json(json!({
+    json!({
         "answered_by": s.node_id,
         "leader": { "id": s.leader_id, "addr": s.leader_addr },
         "term": s.term,
@@ -346,7 +330,7 @@ fn status_json(s: &StatusResponse) -> Rendered {
         "nodes": s.nodes.iter().map(|n| json!({ "id": n.id, "addr": n.addr, "peer_addr": n.peer_addr })).collect::<Vec<_>>(),
         "sessions": s.sessions.iter().map(session_json).collect::<Vec<_>>(),
         "partitions": s.partitions.iter().map(|r| row_json(r, &names)).collect::<Vec<_>>(),
-    }))
+    })
 }
 
 fn session_names(s: &StatusResponse) -> BTreeMap<u64, String> {
@@ -417,12 +401,9 @@ fn partition_cells(r: &proto::PartitionRow, names: &BTreeMap<u64, String>) -> Ve
 
 const PARTITION_HEADER: [&str; 5] = ["PARTITION", "OWNER", "TOKEN", "REVOKING", "LEASE LEFT"];
 
-fn partitions(s: &StatusResponse, limit: Option<usize>) -> Table {
+fn partitions(s: &StatusResponse) -> Table {
     let names = session_names(s);
-    let rows = match limit {
-        Some(n) => &s.partitions[..n.min(s.partitions.len())],
-        None => &s.partitions[..],
-    };
+    let rows = &s.partitions;
     Table {
         header: PARTITION_HEADER.to_vec(),
         rows: rows.iter().map(|r| partition_cells(r, &names)).collect(),
@@ -450,38 +431,21 @@ async fn member(client: &Client, command: MemberCommand) -> Result<Table> {
     use tenure::proto::{AddMemberRequest, PromoteMemberRequest, RemoveMemberRequest};
     let members = match command {
         MemberCommand::List => {
-            client
-                .call_on(|c| async move {
-                    OperatorClient::new(c).list_members(proto::ListMembersRequest {}).await
-                })
-                .await?
+            let request = proto::ListMembersRequest {};
+            operator(client, request, |mut c, r| async move { c.list_members(r).await }).await?
         }
         MemberCommand::Add { member } => {
-            let (id, addrs) = member.split_once('=').context("expected ID=CLIENT_ADDR/PEER_ADDR")?;
-            let (addr, peer_addr) = addrs.split_once('/').context("expected ID=CLIENT_ADDR/PEER_ADDR")?;
-            let id: NodeId = id.trim().parse().with_context(|| format!("bad node id {id:?}"))?;
-            let request =
-                AddMemberRequest { id, addr: addr.trim().into(), peer_addr: peer_addr.trim().into() };
-            client
-                .call_on(|c| {
-                    let request = request.clone();
-                    async move { OperatorClient::new(c).add_member(request).await }
-                })
-                .await?
+            let (id, addr, peer_addr) = super::split_member(&member).map_err(anyhow::Error::msg)?;
+            let request = AddMemberRequest { id, addr: addr.into(), peer_addr: peer_addr.into() };
+            operator(client, request, |mut c, r| async move { c.add_member(r).await }).await?
         }
         MemberCommand::Promote { id } => {
-            client
-                .call_on(|c| async move {
-                    OperatorClient::new(c).promote_member(PromoteMemberRequest { id }).await
-                })
-                .await?
+            let request = PromoteMemberRequest { id };
+            operator(client, request, |mut c, r| async move { c.promote_member(r).await }).await?
         }
         MemberCommand::Remove { id } => {
-            client
-                .call_on(
-                    |c| async move { OperatorClient::new(c).remove_member(RemoveMemberRequest { id }).await },
-                )
-                .await?
+            let request = RemoveMemberRequest { id };
+            operator(client, request, |mut c, r| async move { c.remove_member(r).await }).await?
         }
     };
     let lag = |m: &proto::MemberStatus| m.matched_index.map(|i| members.last_log_index.saturating_sub(i));
@@ -617,12 +581,8 @@ async fn endpoint_status(endpoints: &[String], tls: Option<&tenure::worker::Clie
     }
 }
 
-struct Health {
-    table: Table,
-    unhealthy: usize,
-}
-
-async fn endpoint_health(endpoints: &[String], tls: Option<&tenure::worker::ClientTls>) -> Health {
+/// Each endpoint's health, and how many are not serving.
+async fn endpoint_health(endpoints: &[String], tls: Option<&tenure::worker::ClientTls>) -> (Table, usize) {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::{health_client::HealthClient, HealthCheckRequest};
     let (mut rows, mut docs, mut unhealthy) = (Vec::new(), Vec::new(), 0);
@@ -654,10 +614,7 @@ async fn endpoint_health(endpoints: &[String], tls: Option<&tenure::worker::Clie
             "error": error,
         }));
     }
-    Health {
-        table: Table { header: vec!["ENDPOINT", "HEALTH", "TOOK", "ERROR"], rows, json: Value::Array(docs) },
-        unhealthy,
-    }
+    (Table { header: vec!["ENDPOINT", "HEALTH", "TOOK", "ERROR"], rows, json: Value::Array(docs) }, unhealthy)
 }
 
 /// Prints ownership changes as they commit. The leader's route stream starts with every

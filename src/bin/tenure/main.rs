@@ -136,7 +136,8 @@ struct ServeArgs {
     id: NodeId,
     /// Every voter as id=CLIENT_ADDR/PEER_ADDR, comma separated, e.g.
     /// 1=127.0.0.1:7001/127.0.0.1:7101,2=127.0.0.1:7002/127.0.0.1:7102. Workers and operators
-    /// dial the client address; only peers reach the peer address (Raft).
+    /// dial the client address; only peers reach the peer address (Raft). A host name is as
+    /// good as an IP (n1.example:7001): peers resolve it on every new connection.
     #[arg(long, env = "TENURE_PEERS", value_parser = parse_peer, value_delimiter = ',', required = true)]
     peers: Vec<(NodeId, Member)>,
     /// Address to serve clients on; defaults to this node's client address in --peers.
@@ -345,15 +346,23 @@ struct SimulateStackArgs {
     faults: Vec<String>,
 }
 
-fn parse_peer(s: &str) -> Result<(NodeId, Member), String> {
+/// `ID=CLIENT_ADDR/PEER_ADDR`, as `--peers` and `ctl member add` write a member.
+fn split_member(s: &str) -> Result<(NodeId, &str, &str), String> {
     let expected = || format!("expected id=CLIENT_ADDR/PEER_ADDR, got {s:?}");
     let (id, addrs) = s.split_once('=').ok_or_else(expected)?;
     let (client, peer) = addrs.split_once('/').ok_or_else(expected)?;
     let id: NodeId = id.trim().parse().map_err(|_| format!("bad node id in {s:?}"))?;
-    let (client, peer) = (client.trim(), peer.trim());
+    Ok((id, client.trim(), peer.trim()))
+}
+
+fn parse_peer(s: &str) -> Result<(NodeId, Member), String> {
+    let (id, client, peer) = split_member(s)?;
     for addr in [client, peer] {
-        addr.parse::<SocketAddr>()
-            .map_err(|_| format!("bad address {addr:?} in {s:?} (expected ip:port)"))?;
+        if !tenure::raft::dialable(addr) {
+            return Err(format!(
+                "bad address {addr:?} in {s:?} (expected host:port, the host an IP or a name)"
+            ));
+        }
     }
     Ok((id, Member { peer_addr: peer.to_string(), client_addr: client.to_string() }))
 }
@@ -450,6 +459,25 @@ fn write_private(path: &std::path::Path, pem: &str) -> Result<()> {
     file.write_all(pem.as_bytes()).with_context(|| format!("writing {}", path.display()))
 }
 
+/// The address to listen on for `host:port` from --peers: the literal itself, or the host
+/// name's first IPv4 address (its first address if it has none), resolved once at start. Peers
+/// dial the name, resolved on every new connection; --listen and --listen-peers choose the
+/// address outright.
+fn resolve(addr: &str) -> Result<SocketAddr> {
+    if let Ok(literal) = addr.parse() {
+        return Ok(literal);
+    }
+    let found: Vec<SocketAddr> = std::net::ToSocketAddrs::to_socket_addrs(addr)
+        .with_context(|| format!("resolving {addr:?}"))?
+        .collect();
+    found
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(found.first())
+        .copied()
+        .with_context(|| format!("{addr:?} resolves to no address"))
+}
+
 async fn serve(args: ServeArgs) -> Result<()> {
     let mut peers = BTreeMap::new();
     for (id, addr) in args.peers {
@@ -461,11 +489,11 @@ async fn serve(args: ServeArgs) -> Result<()> {
         peers.get(&args.id).with_context(|| format!("node id {} is not in --peers", args.id))?.clone();
     let listen_clients = match args.listen {
         Some(a) => a,
-        None => advertised.client_addr.parse().context("this node's client address in --peers")?,
+        None => resolve(&advertised.client_addr).context("this node's client address in --peers")?,
     };
     let listen_peers = match args.listen_peers {
         Some(a) => a,
-        None => advertised.peer_addr.parse().context("this node's peer address in --peers")?,
+        None => resolve(&advertised.peer_addr).context("this node's peer address in --peers")?,
     };
     let mut config = NodeConfig::new(args.id, peers, args.data_dir);
     config.partition_count = args.partitions;

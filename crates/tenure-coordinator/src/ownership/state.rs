@@ -170,6 +170,24 @@ impl OwnershipState {
         self.next_session
     }
 
+    /// The live sessions of worker `name` that are not leaving: the one a worker runs, or none
+    /// (a restart supersedes the older session, which is then leaving).
+    pub fn live_sessions_named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = SessionId> + 'a {
+        self.sessions.iter().filter(move |(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s)
+    }
+
+    /// What a `SetWeight` of `name` to `weight` must satisfy, apply and the server alike (so a
+    /// refused one never becomes an entry): the sessions it would change.
+    pub fn check_set_weight(&self, name: &str, weight: u32) -> Result<Vec<SessionId>, Rejection> {
+        self.require_config()?;
+        check_join(name, weight)?;
+        let sessions: Vec<SessionId> = self.live_sessions_named(name).collect();
+        if sessions.is_empty() {
+            return Err(Rejection::UnknownWorker(name.to_string()));
+        }
+        Ok(sessions)
+    }
+
     /// Checks a session's secret against the table; used by the server for heartbeats.
     pub fn authenticate(&self, session: SessionId, secret: &str) -> Result<&SessionRecord, Rejection> {
         self.authenticate_hash(session, &SecretHash::of(secret))
@@ -327,13 +345,7 @@ impl OwnershipState {
         weight: u32,
         events: &mut Vec<Event>,
     ) -> Result<Response, Rejection> {
-        self.require_config()?;
-        check_join(name, weight)?;
-        let sessions: Vec<SessionId> =
-            self.sessions.iter().filter(|(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s).collect();
-        if sessions.is_empty() {
-            return Err(Rejection::UnknownWorker(name.to_string()));
-        }
+        let sessions = self.check_set_weight(name, weight)?;
         self.settings.weights.insert(name.to_string(), weight);
         self.changes.meta = true;
         for &session in &sessions {
@@ -483,7 +495,7 @@ impl OwnershipState {
         // A restarted worker is recognised by its name: the older incarnation is superseded and
         // gives its partitions up the graceful way (revoke, then release or lease expiry), because
         // it may still be alive and believing in its leases.
-        let superseded = self.sessions.iter().find(|(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s);
+        let superseded = self.live_sessions_named(name).next();
         if let Some(old) = superseded {
             self.mark_leaving(old, events);
             self.end_if_idle(old, events);

@@ -28,6 +28,14 @@ pub struct Member {
     pub client_addr: String,
 }
 
+/// Whether `addr` is `host:port` a peer can dial: a non-empty host (an IP literal or a host
+/// name) and a numeric port. Host names are resolved on every new connection.
+pub fn dialable(addr: &str) -> bool {
+    addr.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty() && !host.contains(char::is_whitespace) && port.parse::<u16>().is_ok()
+    })
+}
+
 impl std::fmt::Display for Member {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} (peers {})", self.client_addr, self.peer_addr)

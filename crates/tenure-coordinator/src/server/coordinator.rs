@@ -633,17 +633,20 @@ fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::StatusResponse {
             .collect();
         let leader_addr =
             nodes.iter().find(|n| n.id == leader_id).map(|n| n.addr.clone()).unwrap_or_default();
-        let name_of = |s: Option<SessionId>| {
-            s.and_then(|s| state.session(s)).map(|r| r.name.clone()).unwrap_or_default()
-        };
+        // The sessions of the owner asked for (a leaving one still holds rows), as ids: the
+        // filter below compares ids, not names, whatever the table's size.
+        let of_owner: Option<std::collections::BTreeSet<SessionId>> = req
+            .owner
+            .as_ref()
+            .map(|name| state.sessions().iter().filter(|(_, r)| r.name == *name).map(|(s, _)| *s).collect());
         let rows = state.partitions();
         let mut partitions = Vec::new();
         let mut next_partition = None;
         if !req.omit_partitions {
             let from = (req.from_partition as usize).min(rows.len());
-            let wanted = |r: &crate::ownership::PartitionRecord| match &req.owner {
+            let wanted = |r: &crate::ownership::PartitionRecord| match &of_owner {
                 None => true,
-                Some(name) => [r.owner, r.next].into_iter().any(|s| name_of(s) == *name),
+                Some(ids) => [r.owner, r.next].into_iter().flatten().any(|s| ids.contains(&s)),
             };
             for (p, r) in rows.iter().enumerate().skip(from) {
                 if partitions.len() == limit {
@@ -659,8 +662,7 @@ fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::StatusResponse {
                     token: r.token.0,
                     revoking: r.revoking,
                     lease_remaining_ms: None,
-                    owner_name: name_of(r.owner),
-                    next: if r.revoking { r.next.map(|s| s.0).unwrap_or(0) } else { 0 },
+                    next: r.next.map_or(0, |s| s.0),
                 });
             }
         }

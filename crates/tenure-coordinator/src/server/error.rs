@@ -43,9 +43,6 @@ pub enum CoordinatorError {
     /// This client already holds as many streams on this node as one client may.
     #[error("this client already holds its limit of {limit} streams on this node")]
     TooManyClientStreams { limit: usize },
-    /// No live session has this worker name.
-    #[error("no worker named {0:?} has a live session")]
-    UnknownWorker(String),
     /// No member of the coordinator cluster has this id.
     #[error("node {0} is not a member of the cluster")]
     UnknownMember(NodeId),
@@ -76,7 +73,6 @@ impl CoordinatorError {
             CoordinatorError::TooManyJoins { .. } => "too_many_joins",
             CoordinatorError::MessageTooLarge(_) => "message_too_large",
             CoordinatorError::UnknownMember(_) => "unknown_member",
-            CoordinatorError::UnknownWorker(_) => "unknown_worker",
             CoordinatorError::TooManyClientStreams { .. } => "too_many_client_streams",
             CoordinatorError::NotCaughtUp { .. } => "not_caught_up",
             CoordinatorError::MembershipRefused(_) => "membership_refused",
@@ -107,9 +103,7 @@ impl From<CoordinatorError> for tonic::Status {
         use tonic::Code;
         let code = match &e {
             CoordinatorError::NotLeader { .. } | CoordinatorError::Unavailable(_) => Code::Unavailable,
-            CoordinatorError::SessionExpired(_)
-            | CoordinatorError::UnknownMember(_)
-            | CoordinatorError::UnknownWorker(_) => Code::NotFound,
+            CoordinatorError::SessionExpired(_) | CoordinatorError::UnknownMember(_) => Code::NotFound,
             CoordinatorError::NotCaughtUp { .. } | CoordinatorError::MembershipRefused(_) => {
                 Code::FailedPrecondition
             }
@@ -137,6 +131,9 @@ impl From<CoordinatorError> for tonic::Status {
                 | Rejection::DuplicateMove(_) => Code::InvalidArgument,
             },
         };
+        // Every refusal a client is told of, by its kind: the same words it reads in the
+        // status's metadata.
+        metrics::counter!("tenure_refusals_total", "reason" => e.kind()).increment(1);
         let mut status = tonic::Status::new(code, e.to_string());
         if let Ok(v) = e.kind().parse() {
             status.metadata_mut().insert(ERROR_METADATA, v);

@@ -272,11 +272,12 @@ fn observe(node: &Node, applied: &AppliedEvent) {
         }
     }
     drop(leases);
-    if applied
-        .events
-        .iter()
-        .any(|e| matches!(e, Event::Granted { .. } | Event::Lost { .. } | Event::Released { .. }))
-    {
+    if applied.events.iter().any(|e| {
+        matches!(
+            e,
+            Event::Granted { .. } | Event::Revoking { .. } | Event::Lost { .. } | Event::Released { .. }
+        )
+    }) {
         publish_owned(node);
     }
 }
@@ -293,6 +294,9 @@ fn publish_owned(node: &Node) {
     for (name, count) in owned {
         metrics::gauge!("tenure_owned_partitions", "worker" => name.to_string()).set(count as f64);
     }
+    // Moves in flight: partitions revoked and not yet released or expired.
+    metrics::gauge!("tenure_moves_in_flight", "node" => node.config.id.to_string())
+        .set(state.state.revoking_count() as f64);
 }
 
 /// Re-publishes the per-worker gauges every `gauge_refresh`, on every node, so that the series
@@ -327,6 +331,9 @@ pub(crate) async fn run_renewals(
                 Err(_) => break,
             }
         }
+        let node_label = node.config.id.to_string();
+        metrics::histogram!("tenure_renewal_batch_size", "node" => node_label.clone())
+            .record(batch.len() as f64);
         // A node that no longer leads, or is stopping, answers without a quorum round.
         if let Err(not_leader) = node.ensure_leader() {
             for r in batch {
@@ -378,7 +385,7 @@ pub(crate) async fn run_renewals(
                     }
                 },
             };
-            answers.push((r.session, r.reply, answer));
+            answers.push((r.session, r.received, r.reply, answer));
         }
         drop(leases);
         // What each renewed session owns, from the owner index: the cost follows what the
@@ -391,7 +398,11 @@ pub(crate) async fn run_renewals(
             }
         }
         drop(applied);
-        for (session, reply, answer) in answers {
+        // From a renewal's arrival to its answer: the wait for the batch, the quorum round and
+        // the owner lookup, as the worker sees it (less the network).
+        let latency = metrics::histogram!("tenure_renewal_seconds", "node" => node_label);
+        for (session, received, reply, answer) in answers {
+            latency.record(received.elapsed().as_secs_f64());
             let _ = reply.send(answer.map(|()| wanted.get(&session).cloned().unwrap_or_default()));
         }
     }

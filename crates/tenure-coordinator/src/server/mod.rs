@@ -21,6 +21,7 @@ pub mod health;
 mod leader;
 pub mod operator;
 mod raft_service;
+mod telemetry;
 
 pub use admission::JoinLimits;
 
@@ -580,10 +581,12 @@ where
         successor: Mutex::new(None),
         network,
     });
-    let mut tasks = Vec::new();
-    tasks.push(tokio::spawn(leader::run_duties(node.clone(), cancel.clone())));
-    tasks.push(tokio::spawn(leader::run_renewals(node.clone(), renewal_rx, cancel.clone())));
-    tasks.push(tokio::spawn(leader::refresh_gauges(node.clone(), cancel.clone())));
+    let mut tasks = vec![
+        tokio::spawn(leader::run_duties(node.clone(), cancel.clone())),
+        tokio::spawn(leader::run_renewals(node.clone(), renewal_rx, cancel.clone())),
+        tokio::spawn(leader::refresh_gauges(node.clone(), cancel.clone())),
+        tokio::spawn(telemetry::follow_raft(node.clone(), cancel.clone())),
+    ];
 
     let coordinator = CoordinatorServer::new(coordinator::CoordinatorService { node: node.clone() })
         .max_decoding_message_size(MAX_CLIENT_MESSAGE_BYTES);

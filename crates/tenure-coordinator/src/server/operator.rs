@@ -11,7 +11,7 @@
 
 use super::{CoordinatorError, Node};
 use crate::ids::{NodeId, SessionId};
-use crate::ownership::{check_join, Command, Response as SmResponse, SecretHash};
+use crate::ownership::{Command, Rejection, Response as SmResponse, SecretHash};
 use crate::proto;
 use crate::proto::operator_server::Operator;
 use crate::raft::Member;
@@ -48,10 +48,7 @@ fn operators_only<T>(req: &Request<T>) -> Result<(), CoordinatorError> {
 /// `host:port` with a non-empty host and a numeric port: what a peer can dial (an IP literal
 /// or a host name).
 fn check_addr(what: &str, addr: &str) -> Result<(), CoordinatorError> {
-    let valid = addr.rsplit_once(':').is_some_and(|(host, port)| {
-        !host.is_empty() && !host.contains(char::is_whitespace) && port.parse::<u16>().is_ok()
-    });
-    if valid {
+    if crate::raft::dialable(addr) {
         Ok(())
     } else {
         Err(CoordinatorError::InvalidArgument(format!("{what} {addr:?} is not host:port")))
@@ -186,15 +183,11 @@ impl Operator for OperatorService {
         // keeps: an operator's drain takes the same path through apply as a leave.
         let live: Vec<(SessionId, SecretHash)> = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let sessions = applied.state.sessions();
-            sessions
-                .iter()
-                .filter(|(_, r)| r.name == name && !r.leaving)
-                .map(|(id, r)| (*id, r.secret))
-                .collect()
+            let state = &applied.state;
+            state.live_sessions_named(&name).filter_map(|s| Some((s, state.session(s)?.secret))).collect()
         };
         if live.is_empty() {
-            return Err(CoordinatorError::UnknownWorker(name).into());
+            return Err(CoordinatorError::Rejected(Rejection::UnknownWorker(name)).into());
         }
         for (session, secret) in &live {
             tracing::info!(worker = %name, %session, "draining at an operator's request");
@@ -223,16 +216,15 @@ impl Operator for OperatorService {
     ) -> Result<Response<proto::SetWeightResponse>, Status> {
         operators_only(&req)?;
         let proto::SetWeightRequest { name, weight } = req.into_inner();
-        // Refused before the log, as a join with these fields would be.
-        check_join(&name, weight).map_err(CoordinatorError::from)?;
         self.node.ensure_leader()?;
-        let live = {
-            let applied = self.node.state.read().expect("state lock poisoned");
-            applied.state.sessions().values().any(|r| r.name == name && !r.leaving)
-        };
-        if !live {
-            return Err(CoordinatorError::UnknownWorker(name).into());
-        }
+        // Refused before the log by the very check apply makes.
+        self.node
+            .state
+            .read()
+            .expect("state lock poisoned")
+            .state
+            .check_set_weight(&name, weight)
+            .map_err(CoordinatorError::from)?;
         tracing::info!(worker = %name, weight, "weight set at an operator's request");
         match self.node.propose(Command::SetWeight { name, weight }).await? {
             SmResponse::WeightSet { sessions } => Ok(Response::new(proto::SetWeightResponse {

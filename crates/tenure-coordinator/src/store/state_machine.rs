@@ -222,6 +222,7 @@ impl StateMachineStore {
             (payload, meta)
         };
         let data = encode_snapshot(&payload);
+        metrics::histogram!("tenure_snapshot_bytes", "how" => "built").record(data.len() as f64);
         drop(payload);
         let mut batch = rocksdb::WriteBatch::default();
         put_snapshot(&self.db, &mut batch, &meta, &data);
@@ -350,6 +351,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         snapshot: Box<Cursor<Vec<u8>>>,
     ) -> Result<(), StorageError> {
         let data = snapshot.into_inner();
+        metrics::histogram!("tenure_snapshot_bytes", "how" => "installed").record(data.len() as f64);
         let payload = decode_snapshot(&data)
             .map_err(|e| io_error(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Read, e))?;
         let mut applied = self.shared.write().expect("state lock poisoned");
