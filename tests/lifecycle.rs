@@ -3,7 +3,8 @@
 //! just leaves; the peer call a handover uses cannot depose a live leader; the membership calls
 //! are an operator's, and bad ones change nothing; health follows what a node knows, and
 //! reflection lists the API; maintenance mode holds live owners still, and an operator's weight
-//! moves partitions and outlives the session it was set on. (Replacing a node is in `processes.rs`.)
+//! moves partitions and outlives the session it was set on; a worker's bounded shutdown leaves
+//! when it can and stops believing when it cannot. (Replacing a node is in `processes.rs`.)
 
 mod common;
 
@@ -394,4 +395,49 @@ async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_
     let record = status.sessions.iter().find(|x| x.id == w2b.session().0).expect("w2's new session");
     assert_eq!(record.weight, 3);
     c.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_workers_bounded_shutdown_leaves_when_it_can_and_stops_believing_when_it_cannot() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let mut w1 = worker(&c, "w1").await;
+    let mut w2 = worker(&c, "w2").await;
+    let (mut events1, mut events2) = (w1.events(), w2.events());
+    let before = settled(&c, 2).await;
+    let held_by_w1: Vec<u32> =
+        before.partitions.iter().filter(|r| r.owner == w1.session().0).map(|r| r.partition).collect();
+    while events1.try_recv().is_ok() {} // what the join of w2 took from w1 is over
+
+    // Reachable: the leave goes through, every partition is given back, none expires.
+    w1.shutdown(BOUND).await.expect("w1 leaves within the bound");
+    let mut released = Vec::new();
+    while let Ok(event) = events1.try_recv() {
+        match event {
+            WorkerEvent::Released { partition, .. } => released.push(partition.0),
+            WorkerEvent::Lost { .. } => panic!("w1 lost a partition on shutdown: {event:?}"),
+            _ => {}
+        }
+    }
+    released.sort();
+    assert_eq!(released, held_by_w1, "w1 gave back every partition it held");
+    let after = settled(&c, 1).await;
+    assert!(after.partitions.iter().all(|r| r.owner == w2.session().0), "w2 owns the table");
+
+    // Unreachable: the cluster is gone; the shutdown gives up after its bound, and the
+    // worker believes nothing any more.
+    let mut handles = Vec::new();
+    while let Ok(event) = events2.try_recv() {
+        if let WorkerEvent::Assigned(h) = event {
+            handles.push(h);
+        }
+    }
+    assert!(handles.iter().any(|h| h.is_valid()), "w2 holds valid leases before the cluster goes");
+    c.shutdown().await;
+    let outcome = tokio::time::timeout(BOUND, w2.shutdown(Duration::from_millis(300)))
+        .await
+        .expect("shutdown returns within its bound");
+    let err = outcome.expect_err("no coordinator can take the leave");
+    assert!(matches!(err, tenure::worker::ClientError::Unavailable(_)), "{err:?}");
+    assert!(handles.iter().all(|h| !h.is_valid()), "no handle is valid after the shutdown");
 }

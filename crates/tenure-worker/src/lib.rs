@@ -260,6 +260,19 @@ impl Worker {
         sent
     }
 
+    /// Leaves as [`Worker::leave`] does, within `bound`: what a process stopping on SIGTERM
+    /// calls once its work is finished or checkpointed. Belief ends at once, before anything
+    /// is sent, so a shutdown that cannot reach the cluster in time is still safe: it returns
+    /// `Unavailable`, tries the leave once more in the background while the runtime lives, and
+    /// otherwise the session expires one TTL later.
+    pub async fn shutdown(self, bound: Duration) -> Result<(), ClientError> {
+        match tokio::time::timeout(bound, self.leave()).await {
+            Ok(left) => left,
+            // Dropped below: the drop path sends the leave once more, without waiting for it.
+            Err(_) => Err(ClientError::Unavailable(format!("could not leave within {bound:?}"))),
+        }
+    }
+
     /// Leaves gracefully: this worker stops believing in every partition (each is reported
     /// `Released`; the application should have finished or checkpointed its work), then the
     /// session's partitions are revoked and all released at once, the session ends and the
