@@ -441,3 +441,62 @@ async fn a_workers_bounded_shutdown_leaves_when_it_can_and_stops_believing_when_
     assert!(matches!(err, tenure::worker::ClientError::Unavailable(_)), "{err:?}");
     assert!(handles.iter().all(|h| !h.is_valid()), "no handle is valid after the shutdown");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operators_move_pins_a_partition_to_a_worker_and_it_moves_there_gracefully() {
+    use tenure::proto::operator_client::OperatorClient;
+    use tenure::proto::MoveRequest;
+    use tenure::tls::Principal;
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let leader = c.leader().unwrap();
+    let mut w1 = worker(&c, "w1").await;
+    let w2 = worker(&c, "w2").await;
+    let mut events = w1.events();
+    let before = settled(&c, 2).await;
+    while events.try_recv().is_ok() {} // what the join of w2 took from w1 is over
+    let p = before.partitions.iter().find(|r| r.owner == w1.session().0).expect("w1 owns some").partition;
+
+    let mut as_worker = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w2".into())).await);
+    let err = as_worker.r#move(MoveRequest { partition: p, to: "w2".into() }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
+    let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
+    let err = ops.r#move(MoveRequest { partition: 99, to: "w2".into() }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::OutOfRange, "partition_out_of_range"));
+    let err = ops.r#move(MoveRequest { partition: p, to: "nobody".into() }).await.unwrap_err();
+    assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_worker"));
+
+    let moved = ops.r#move(MoveRequest { partition: p, to: "w2".into() }).await.expect("pinned").into_inner();
+    assert_eq!(moved.was, "");
+    // w1 does what an application does: gives back what it is asked for. It is asked for the
+    // pinned partition, which it releases (never loses), and the table settles balanced.
+    let deadline = Instant::now() + PATIENCE;
+    let after = loop {
+        let s = c.status().await.ok();
+        let done = s.as_ref().is_some_and(|s| {
+            let owner_of_p = s.partitions.iter().find(|r| r.partition == p).map(|r| r.owner);
+            let count = |session: u64| s.partitions.iter().filter(|r| r.owner == session).count();
+            let balanced = count(w1.session().0) == count(w2.session().0);
+            owner_of_p == Some(w2.session().0) && s.revoking == 0 && s.unowned == 0 && balanced
+        });
+        if done {
+            break s.unwrap();
+        }
+        assert!(Instant::now() < deadline, "the pinned partition never settled with w2: {s:?}");
+        // The next event, or a look at the table again shortly.
+        if let Ok(Some(event)) = tokio::time::timeout(Duration::from_millis(50), events.recv()).await {
+            match event {
+                WorkerEvent::Revoking { partition, .. } => {
+                    assert_eq!(partition.0, p, "only the pinned partition is asked of w1");
+                    w1.release(&[partition]).await.expect("released");
+                }
+                WorkerEvent::Lost { .. } => panic!("w1 lost a partition: {event:?}"),
+                _ => {}
+            }
+        }
+    };
+    let row = after.partitions.iter().find(|r| r.partition == p).unwrap();
+    let old = before.partitions.iter().find(|r| r.partition == p).unwrap();
+    assert!(row.token > old.token, "a move is a new grant under a higher token");
+    c.shutdown().await;
+}

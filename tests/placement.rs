@@ -3,7 +3,7 @@
 use proptest::prelude::*;
 use std::collections::BTreeMap;
 use tenure::ids::SessionId;
-use tenure::placement::{place, place_with_seed, quotas, Member};
+use tenure::placement::{place, place_pinned, place_with_seed, quotas, Member};
 
 fn members(n: usize) -> Vec<Member> {
     (1..=n as u64).map(|i| Member { session: SessionId(i), name: format!("w{i}"), weight: 1 }).collect()
@@ -127,4 +127,28 @@ fn two_versions_of_the_rules_decide_differently_and_each_keeps_the_invariants() 
     }
     let differ = old.iter().zip(&new).filter(|(a, b)| a != b).count();
     assert!(differ > 0, "the two versions placed the crashed member's partitions identically");
+}
+
+#[test]
+fn pinned_partitions_go_to_their_member_and_the_rest_balances_around_them() {
+    let m = members(3);
+    let count = |t: &[Option<SessionId>], s: u64| t.iter().filter(|h| **h == Some(SessionId(s))).count();
+    // From nothing: the three pinned partitions go to w3, which then takes seven others.
+    let pins: BTreeMap<u32, SessionId> = (0..3).map(|p| (p, SessionId(3))).collect();
+    let first = place_pinned(&m, &[None; 30], 0, &pins);
+    assert!((0..3).all(|p| first[p] == Some(SessionId(3))), "{first:?}");
+    assert_eq!((count(&first, 1), count(&first, 2), count(&first, 3)), (10, 10, 10));
+    // One of w1's pinned to w2: it moves, and one partition of w2's (not a pinned one) goes
+    // back to w1 for balance; nothing else moves.
+    let p = first.iter().position(|h| *h == Some(SessionId(1))).unwrap() as u32;
+    let mut more = pins.clone();
+    more.insert(p, SessionId(2));
+    let second = place_pinned(&m, &first, 0, &more);
+    assert_eq!(second[p as usize], Some(SessionId(2)));
+    assert!((0..3).all(|q| second[q] == Some(SessionId(3))));
+    assert_eq!((count(&second, 1), count(&second, 2), count(&second, 3)), (10, 10, 10));
+    let moved = first.iter().zip(&second).filter(|(a, b)| a != b).count();
+    assert_eq!(moved, 2, "the pinned partition and one to make up for it");
+    // Without pins, the same input places as before: no pin, no change.
+    assert_eq!(place_pinned(&m, &first, 0, &BTreeMap::new()), place_with_seed(&m, &first, 0));
 }

@@ -369,6 +369,18 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     let refused = ctl(&coordinators, &certs, &["weight", "nobody", "2"]).unwrap_err();
     assert!(refused.contains("no worker named \"nobody\""), "{refused}");
 
+    // Move: a pin to a worker name, and back; bad ones refused before the log.
+    let pinned = ctl_json(&coordinators, &certs, &["move", "3", "--to", "proc-worker"]).unwrap();
+    assert_eq!(pinned, serde_json::json!({ "partition": 3, "to": "proc-worker", "was": null }));
+    let unpinned = ctl_json(&coordinators, &certs, &["move", "3", "--unpin"]).unwrap();
+    assert_eq!(unpinned, serde_json::json!({ "partition": 3, "to": null, "was": "proc-worker" }));
+    let refused = ctl(&coordinators, &certs, &["move", "16", "--to", "proc-worker"]).unwrap_err();
+    assert!(refused.contains("partition_out_of_range") || refused.contains("out of range"), "{refused}");
+    let refused = ctl(&coordinators, &certs, &["move", "3", "--to", "nobody"]).unwrap_err();
+    assert!(refused.contains("no worker named \"nobody\""), "{refused}");
+    let refused = ctl(&coordinators, &certs, &["move", "3"]).unwrap_err();
+    assert!(refused.contains("--to"), "{refused}");
+
     // Drain: the worker's session is set leaving, as its own leave would set it. With no other
     // worker to move its partitions to, it keeps them (and renews them) meanwhile.
     let drained = ctl_json(&coordinators, &certs, &["drain", "proc-worker"]).unwrap();

@@ -768,3 +768,49 @@ fn an_operators_weight_applies_now_and_to_the_workers_next_sessions() {
     let (r, events) = s.commit_alone(Command::SetWeight { name: "w1".into(), weight: 1 });
     assert_eq!((r, events), (Response::WeightSet { sessions: vec![w1] }, vec![]));
 }
+
+#[test]
+fn an_operators_pin_moves_one_partition_gracefully_and_the_table_balances_around_it() {
+    let (mut s, (w1, secret1), (w2, secret2)) = Story::balanced_pair(16);
+    let p = s.owned(w1)[0];
+    let owner = |s: &Story, p: u32| s.state.partitions()[p as usize].owner;
+
+    // Pinned to w2: revoked from w1 for w2, gracefully; nothing else of w1's moves.
+    let (r, _) = s.commit(Command::Pin { partition: PartitionId(p), name: Some("w2".into()) });
+    assert_eq!(r, Response::Pinned { was: None });
+    assert_eq!(s.revoking(w1), vec![PartitionId(p)]);
+    assert_eq!(s.state.partitions()[p as usize].next, Some(w2));
+    s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions: s.revoking(w1) });
+    assert_eq!(owner(&s, p), Some(w2));
+    // w2 now holds one too many: another of its partitions, never the pinned one, goes back.
+    let back = s.revoking(w2);
+    assert_eq!(back.len(), 1, "{back:?}");
+    assert_ne!(back[0], PartitionId(p));
+    s.commit(Command::Release { tokens: vec![], session: w2, secret: secret2, partitions: back });
+    assert_eq!((s.owned(w1).len(), s.owned(w2).len()), (8, 8));
+    assert_eq!(owner(&s, p), Some(w2));
+    assert!(planner::plan(&s.state, &Rules::default()).is_none(), "settled with the pin met");
+    s.check();
+
+    // The pin is the name's: w2's next session gets the partition.
+    let again = Command::Join { name: "w2".into(), weight: 1, secret: SecretHash::of("again") };
+    let Response::Joined { session: w2b, .. } = s.commit(again).0 else { panic!("join") };
+    s.commit(Command::Release { tokens: vec![], session: w2, secret: secret2, partitions: s.revoking(w2) });
+    assert_eq!(owner(&s, p), Some(w2b));
+
+    // Refused, changing nothing: a partition beyond the table, a name with no live session.
+    let before = s.state.clone();
+    for (partition, name, want) in [
+        (16, Some("w2"), Rejection::PartitionOutOfRange { partition: 16, count: 16 }),
+        (p, Some("nobody"), Rejection::UnknownWorker("nobody".into())),
+    ] {
+        let command = Command::Pin { partition: PartitionId(partition), name: name.map(str::to_string) };
+        assert_eq!(s.commit_alone(command), (Response::Rejected(want), vec![]));
+    }
+    assert!(s.unchanged_since(&before));
+    // Unpinned: nothing moves (the table is balanced as it is).
+    let (r, events) = s.commit(Command::Pin { partition: PartitionId(p), name: None });
+    let unpinned = Event::Pinned { partition: PartitionId(p), name: None };
+    assert_eq!((r, events), (Response::Pinned { was: Some("w2".into()) }, vec![unpinned]));
+    assert_eq!(owner(&s, p), Some(w2b));
+}

@@ -20,9 +20,10 @@ use serde::Serialize;
 /// a partition row's `next` receiver, the revoke budget in the configuration); 3, session
 /// secrets kept and carried only as hashes; 4, each member's peer and client addresses (two
 /// listeners); 5, operator settings (maintenance mode, weights by name) in the state and its
-/// snapshots, and the commands that change them. An older store is refused by name rather than
+/// snapshots, and the commands that change them; 6, partitions pinned to a worker name in the
+/// operator settings, and the `Pin` command. An older store is refused by name rather than
 /// read as something it is not.
-pub const FORMAT: u8 = 5;
+pub const FORMAT: u8 = 6;
 
 /// Why bytes could not be read as a value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

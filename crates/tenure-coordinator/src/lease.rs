@@ -183,7 +183,8 @@ impl LeaseTable {
                 Event::SessionLeaving { .. }
                 | Event::Configured { .. }
                 | Event::MaintenanceChanged { .. }
-                | Event::WeightChanged { .. } => {}
+                | Event::WeightChanged { .. }
+                | Event::Pinned { .. } => {}
             }
         }
         moves

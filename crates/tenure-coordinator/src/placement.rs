@@ -19,6 +19,7 @@
 
 use crate::ids::SessionId;
 use hashring::HashRing;
+use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 use xxhash_rust::xxh64::Xxh64Builder;
 
@@ -106,6 +107,18 @@ pub fn place_with_seed(
     current: &[Option<SessionId>],
     ring_seed: u64,
 ) -> Vec<Option<SessionId>> {
+    place_pinned(members, current, ring_seed, &BTreeMap::new())
+}
+
+/// [`place_with_seed`] with some partitions pinned to a member (an operator's pins, each
+/// partition to the session it must go to, which must be in `members`): those go there and
+/// count against that member's quota, and balance is kept by moving other partitions only.
+pub fn place_pinned(
+    members: &[Member],
+    current: &[Option<SessionId>],
+    ring_seed: u64,
+    pinned: &BTreeMap<u32, SessionId>,
+) -> Vec<Option<SessionId>> {
     let partitions = current.len() as u32;
     if members.is_empty() {
         return vec![None; current.len()];
@@ -130,6 +143,12 @@ pub fn place_with_seed(
     } else {
         current.iter().map(|c| c.and_then(lookup)).collect()
     };
+    for (p, session) in pinned {
+        if let (Some(slot), Some(i)) = (holder.get_mut(*p as usize), lookup(*session)) {
+            *slot = Some(i);
+        }
+    }
+    let is_pinned = |p: usize| !pinned.is_empty() && pinned.contains_key(&(p as u32));
     let mut held = vec![0u32; members.len()];
     for h in holder.iter().flatten() {
         held[*h] += 1;
@@ -168,6 +187,9 @@ pub fn place_with_seed(
                 break;
             }
             let Some(i) = holder[p] else { continue };
+            if is_pinned(p) {
+                continue;
+            }
             // The second pass sees only partitions the ring places with their holder: the
             // first took every other one from a member that still needed to give.
             if need[i] > 0 && (at_home || preferred(p) != Some(i)) {

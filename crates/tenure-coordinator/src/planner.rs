@@ -67,7 +67,10 @@ pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
     // partitions in its place.
     let current: Vec<Option<SessionId>> =
         state.partitions().iter().map(|r| if r.revoking { r.next.or(r.owner) } else { r.owner }).collect();
-    let target = placement::place_with_seed(&members, &current, rules.ring_seed);
+    // An operator's pins place their partitions; the rest balances around them.
+    let pins: std::collections::BTreeMap<u32, SessionId> =
+        pinned(state, &members).map(|(p, s)| (p.0, s)).collect();
+    let target = placement::place_pinned(&members, &current, rules.ring_seed, &pins);
     let mut may_revoke =
         config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(state.revoking_count()));
     // Maintenance mode takes nothing from a live owner; a leaving (or superseded) one still
@@ -109,12 +112,30 @@ fn settled(state: &OwnershipState, members: &[Member], partitions: u32) -> bool 
     if state.unowned_count() > 0 || state.revoking_count() > 0 {
         return false;
     }
+    let partitions_rows = state.partitions();
+    let unmet = pinned(state, members)
+        .any(|(p, session)| partitions_rows.get(p.0 as usize).is_some_and(|r| r.owner != Some(session)));
+    if unmet {
+        return false;
+    }
     let held: Vec<u32> = members.iter().map(|m| state.owned_count(m.session) as u32).collect();
     if held.iter().map(|h| u64::from(*h)).sum::<u64>() != u64::from(partitions) {
         return false; // a leaving session still owns some
     }
     let quota = placement::quotas(members, &held, partitions);
     held.iter().zip(&quota).all(|(h, q)| h <= q)
+}
+
+/// Each pinned partition with the member it is pinned to: the first live session of the pinned
+/// name (in session order, so every replica's leader picks the same); pins to a name with no
+/// live session are left to placement.
+fn pinned<'a>(
+    state: &'a OwnershipState,
+    members: &'a [Member],
+) -> impl Iterator<Item = (crate::ids::PartitionId, SessionId)> + 'a {
+    state.settings().pins.iter().filter_map(move |(p, name)| {
+        members.iter().filter(|m| &m.name == name).map(|m| m.session).min().map(|s| (*p, s))
+    })
 }
 
 /// Applies plans until there is nothing left to decide, as a leader would with nothing else

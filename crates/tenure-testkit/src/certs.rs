@@ -142,9 +142,21 @@ impl DevCa {
         let issued = self.issue(principal, &[], Validity::default())?;
         let paths =
             [dir.join("ca.pem"), dir.join(format!("{stem}.pem")), dir.join(format!("{stem}-key.pem"))];
-        std::fs::write(&paths[0], self.ca_pem()).map_err(err)?;
-        std::fs::write(&paths[1], issued.cert_pem).map_err(err)?;
-        std::fs::write(&paths[2], issued.key_pem).map_err(err)?;
+        // Each file appears whole or not at all: a process started for an earlier worker may be
+        // reading `ca.pem` while this call writes it for the next (a plain write truncates it
+        // first, and a reader then finds no certificate in it).
+        write_whole(&paths[0], self.ca_pem().as_bytes()).map_err(err)?;
+        write_whole(&paths[1], issued.cert_pem.as_bytes()).map_err(err)?;
+        write_whole(&paths[2], issued.key_pem.as_bytes()).map_err(err)?;
         Ok(paths)
     }
+}
+
+/// Writes `bytes` to a file beside `path`, then renames it over `path`: readers see the old
+/// file or the new one, never a truncated one.
+fn write_whole(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(format!(".partial-{}", std::process::id()));
+    std::fs::write(&partial, bytes)?;
+    std::fs::rename(&partial, path)
 }

@@ -25,7 +25,8 @@ pub fn decision(event: &Event) -> Option<(PartitionId, SessionId, FencingToken, 
         | Event::SessionLeaving { .. }
         | Event::SessionEnded { .. }
         | Event::MaintenanceChanged { .. }
-        | Event::WeightChanged { .. } => None,
+        | Event::WeightChanged { .. }
+        | Event::Pinned { .. } => None,
     }
 }
 

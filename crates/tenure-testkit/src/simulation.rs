@@ -940,7 +940,8 @@ impl Sim {
             | Event::SessionLeaving { .. }
             | Event::SessionEnded { .. }
             | Event::MaintenanceChanged { .. }
-            | Event::WeightChanged { .. } => Vec::new(),
+            | Event::WeightChanged { .. }
+            | Event::Pinned { .. } => Vec::new(),
         };
         self.changes(w, changes);
     }

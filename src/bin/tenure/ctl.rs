@@ -91,6 +91,15 @@ enum CtlCommand {
     },
     /// Set a worker's weight (1 to 1,000): its live sessions' now, and its later sessions'.
     Weight { name: String, weight: u32 },
+    /// Move a partition to a worker and pin it there (--to NAME), or unpin it (--unpin): the
+    /// leader moves it gracefully and keeps it with that worker's live session.
+    Move {
+        partition: u32,
+        #[arg(long, required_unless_present = "unpin", conflicts_with = "unpin")]
+        to: Option<String>,
+        #[arg(long)]
+        unpin: bool,
+    },
     /// Ownership changes as they commit (owner, token, revoking), one per line; reconnects to
     /// a new leader and reports what changed meanwhile.
     Watch {
@@ -253,6 +262,18 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             let set = operator(&client, request, |mut c, r| async move { c.set_weight(r).await }).await?;
             let text = || format!("{name} has weight {weight} (sessions {:?})\n", set.sessions);
             shown(json, text, || json!({ "worker": name, "weight": weight, "sessions": set.sessions }))
+        }
+        CtlCommand::Move { partition, to, .. } => {
+            let request = proto::MoveRequest { partition, to: to.clone().unwrap_or_default() };
+            let moved = operator(&client, request, |mut c, r| async move { c.r#move(r).await }).await?;
+            let was = (!moved.was.is_empty()).then_some(moved.was);
+            let text = || match &to {
+                Some(name) => {
+                    format!("partition {partition} pinned to {name}; it moves there as it is given back\n")
+                }
+                None => format!("partition {partition} unpinned\n"),
+            };
+            shown(json, text, || json!({ "partition": partition, "to": to, "was": was }))
         }
         CtlCommand::Watch { max_events } => return watch(&client, json, max_events).await,
     };

@@ -45,6 +45,9 @@ pub enum Command {
     SetMaintenance { on: bool },
     /// An operator sets a worker's weight: its live sessions' now, and its future sessions'.
     SetWeight { name: String, weight: u32 },
+    /// An operator pins a partition to a worker name (`Some`), or unpins it (`None`): the
+    /// leader moves it to a live session of that name, gracefully, and keeps it there.
+    Pin { partition: PartitionId, name: Option<String> },
 }
 
 /// Give an unowned partition to a member. The token is the index of the entry.
@@ -93,6 +96,10 @@ pub enum Response {
     WeightSet {
         /// The live sessions of that name, which now have the weight.
         sessions: Vec<SessionId>,
+    },
+    Pinned {
+        /// The name the partition was pinned to before, if any.
+        was: Option<String>,
     },
     Rejected(Rejection),
 }
@@ -191,5 +198,10 @@ pub enum Event {
     WeightChanged {
         session: SessionId,
         weight: u32,
+    },
+    /// An operator pinned a partition to a worker name, or unpinned it (`None`).
+    Pinned {
+        partition: PartitionId,
+        name: Option<String>,
     },
 }

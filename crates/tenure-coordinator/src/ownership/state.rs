@@ -44,6 +44,11 @@ pub struct Settings {
     /// Weights an operator set by worker name. They outlive the sessions they were set on: a
     /// worker that joins again under that name gets this weight, whatever its join asked for.
     pub weights: BTreeMap<String, u32>,
+    /// Partitions an operator pinned to a worker name. The leader places a pinned partition
+    /// with a live session of that name whenever there is one (moving it gracefully, within the
+    /// revoke budget and not in maintenance), and by the usual rules while there is none; the
+    /// rest of the table balances around it. Like weights, pins outlive sessions.
+    pub pins: BTreeMap<PartitionId, String>,
 }
 
 /// One live session.
@@ -186,6 +191,25 @@ impl OwnershipState {
             return Err(Rejection::UnknownWorker(name.to_string()));
         }
         Ok(sessions)
+    }
+
+    /// What a `Pin` must satisfy, apply and the server alike: a partition in range and, to pin,
+    /// a valid name with a live session (a typo must not linger); unpinning always may.
+    pub fn check_pin(&self, partition: PartitionId, name: Option<&str>) -> Result<(), Rejection> {
+        let config = self.require_config()?;
+        if partition.0 >= config.partition_count {
+            return Err(Rejection::PartitionOutOfRange {
+                partition: partition.0,
+                count: config.partition_count,
+            });
+        }
+        if let Some(name) = name {
+            check_join(name, 1)?;
+            if self.live_sessions_named(name).next().is_none() {
+                return Err(Rejection::UnknownWorker(name.to_string()));
+            }
+        }
+        Ok(())
     }
 
     /// Checks a session's secret against the table; used by the server for heartbeats.
@@ -334,6 +358,16 @@ impl OwnershipState {
                 Ok(Response::MaintenanceSet { was })
             }
             Command::SetWeight { name, weight } => self.set_weight(name, *weight, events),
+            Command::Pin { partition, name } => {
+                self.check_pin(*partition, name.as_deref())?;
+                let was = match name {
+                    Some(name) => self.settings.pins.insert(*partition, name.clone()),
+                    None => self.settings.pins.remove(partition),
+                };
+                self.changes.meta = true;
+                events.push(Event::Pinned { partition: *partition, name: name.clone() });
+                Ok(Response::Pinned { was })
+            }
         }
     }
 

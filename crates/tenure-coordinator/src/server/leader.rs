@@ -248,7 +248,8 @@ fn observe(node: &Node, applied: &AppliedEvent) {
             | Event::SessionLeaving { .. }
             | Event::SessionEnded { .. }
             | Event::MaintenanceChanged { .. }
-            | Event::WeightChanged { .. } => {}
+            | Event::WeightChanged { .. }
+            | Event::Pinned { .. } => {}
         }
     }
     let names =

@@ -10,7 +10,7 @@
 //! leader, and a refused change changes nothing.
 
 use super::{CoordinatorError, Node};
-use crate::ids::{NodeId, SessionId};
+use crate::ids::{NodeId, PartitionId, SessionId};
 use crate::ownership::{Command, Rejection, Response as SmResponse, SecretHash};
 use crate::proto;
 use crate::proto::operator_server::Operator;
@@ -230,6 +230,31 @@ impl Operator for OperatorService {
             SmResponse::WeightSet { sessions } => Ok(Response::new(proto::SetWeightResponse {
                 sessions: sessions.iter().map(|s| s.0).collect(),
             })),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn r#move(
+        &self,
+        req: Request<proto::MoveRequest>,
+    ) -> Result<Response<proto::MoveResponse>, Status> {
+        operators_only(&req)?;
+        let proto::MoveRequest { partition, to } = req.into_inner();
+        let (partition, name) = (PartitionId(partition), (!to.is_empty()).then_some(to));
+        self.node.ensure_leader()?;
+        // Refused before the log by the very check apply makes.
+        self.node
+            .state
+            .read()
+            .expect("state lock poisoned")
+            .state
+            .check_pin(partition, name.as_deref())
+            .map_err(CoordinatorError::from)?;
+        tracing::info!(partition = partition.0, to = ?name, "partition pinned at an operator's request");
+        match self.node.propose(Command::Pin { partition, name }).await? {
+            SmResponse::Pinned { was } => {
+                Ok(Response::new(proto::MoveResponse { was: was.unwrap_or_default() }))
+            }
             other => Err(unexpected(other)),
         }
     }
