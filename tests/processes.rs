@@ -710,8 +710,12 @@ fn a_dead_node_is_replaced_by_a_new_one_and_no_lease_is_lost() {
     let peers_of = |n: usize| (0..n).map(entry).collect::<Vec<_>>().join(",");
     let certs = make_certs(dir.path(), 4, "keeper");
     let mut children = Processes(Vec::new());
+    // A snapshot every two entries, keeping two: the log the new node would need is gone by the
+    // time it joins, so it must catch up from a snapshot.
+    let snapshots = ["--snapshot-after-logs", "2"];
     for id in 1..=3 {
-        let child = serve(id, &peers_of(3), &certs, dir.path()).args(["--lease-ttl-ms", "2000"]).spawn();
+        let mut command = serve(id, &peers_of(3), &certs, dir.path());
+        let child = command.args(["--lease-ttl-ms", "2000"]).args(snapshots).spawn();
         children.0.push(child.unwrap());
     }
     let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
@@ -755,7 +759,10 @@ fn a_dead_node_is_replaced_by_a_new_one_and_no_lease_is_lost() {
     std::fs::remove_dir_all(dir.path().join("n3")).unwrap();
 
     // Its replacement joins under a new id, as a learner, then a voter; node 3 is removed.
-    children.0.push(serve(4, &peers_of(4), &certs, dir.path()).arg("--join").spawn().unwrap());
+    let metrics4 = free_port();
+    let mut node4 = serve(4, &peers_of(4), &certs, dir.path());
+    node4.arg("--join").args(snapshots).args(["--metrics-listen", &format!("127.0.0.1:{metrics4}")]);
+    children.0.push(node4.spawn().unwrap());
     let added = ctl(&everyone, &certs, &["member", "add", &entry(3)]).expect("node 4 is added");
     let role = |members: &serde_json::Value, id: u64| {
         let member = members["members"].as_array().unwrap().iter().find(|m| m["id"] == id).cloned();
@@ -766,6 +773,12 @@ fn a_dead_node_is_replaced_by_a_new_one_and_no_lease_is_lost() {
     until("node 4 is promoted once it has caught up", || {
         ctl(&everyone, &certs, &["member", "promote", "4"]).ok()
     });
+    // It caught up by installing the leader's snapshot.
+    let installed = sample(
+        &http_get(&format!("127.0.0.1:{metrics4}"), "/metrics").expect("node 4's metrics"),
+        "tenure_snapshot_bytes_count{how=\"installed\"}",
+    );
+    assert!(installed.is_some_and(|n| n >= 1.0), "node 4 installed a snapshot: {installed:?}");
     let removed = ctl_json(&everyone, &certs, &["member", "remove", "3"]).expect("node 3 is removed");
     assert_eq!(role(&removed, 3), None, "{removed}");
     let listed = ctl(&everyone, &certs, &["member", "list"]).unwrap();
