@@ -39,7 +39,7 @@ impl Story {
             println!("t={t:5.2}s ACCEPT {who} token={token} value={value}");
             return Ok(());
         }
-        match handle.write(&self.fenced, KEY, value.as_bytes()).await {
+        match self.fenced.write(handle.partition(), token, KEY, value.as_bytes()).await {
             Ok(()) => println!("t={t:5.2}s ACCEPT {who} token={token} value={value}"),
             Err(tenure::fence::FenceError::Stale { highest, .. }) => {
                 println!("t={t:5.2}s REJECT {who} token={token} value={value} (highest seen {highest})")
@@ -60,10 +60,10 @@ impl Story {
 }
 
 async fn first_assignment(worker: &mut Worker) -> Result<PartitionHandle> {
-    let mut events = worker.events();
+    let mut events = worker.events().context("events taken")?;
     loop {
         match tokio::time::timeout(Duration::from_secs(30), events.recv()).await.context("no assignment")? {
-            Some(WorkerEvent::Assigned(h)) => return Ok(h),
+            Some(WorkerEvent::Granted(h)) => return Ok(h),
             Some(_) => continue,
             None => bail!("worker stopped"),
         }

@@ -33,8 +33,8 @@ use tenure::fence::{admits, FenceError, PostgresFence};
 use tenure::ids::{FencingToken, PartitionId};
 use tenure::keyspace::KeySpace;
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{PartitionHandle, Worker, WorkerConfig, WorkerEvent};
-use tokio::sync::mpsc::UnboundedReceiver;
+use tenure::worker::{Events, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
+
 use tokio_util::sync::CancellationToken;
 
 const PERIOD: &str = "2026-11";
@@ -364,7 +364,7 @@ struct Biller {
     name: String,
     /// `None` once the worker froze: its heartbeats stopped with it.
     worker: Option<Worker>,
-    events: UnboundedReceiver<WorkerEvent>,
+    events: Events,
     /// How to join again if the coordinator ends the session (say, the machine stalled for
     /// longer than the TTL), as any long-running application must.
     config: WorkerConfig,
@@ -386,7 +386,7 @@ impl Biller {
     ) -> Result<Counts> {
         let mut queue: VecDeque<PartitionHandle> = VecDeque::new();
         loop {
-            while let Ok(event) = self.events.try_recv() {
+            while let Some(event) = self.events.try_recv() {
                 self.on_event(event, &mut queue).await;
             }
             if start.is_cancelled() {
@@ -412,7 +412,7 @@ impl Biller {
 
     async fn on_event(&mut self, event: WorkerEvent, queue: &mut VecDeque<PartitionHandle>) {
         match event {
-            WorkerEvent::Assigned(handle) => {
+            WorkerEvent::Granted(handle) => {
                 self.held.fetch_add(1, Ordering::SeqCst);
                 queue.push_back(handle)
             }
@@ -448,7 +448,7 @@ impl Biller {
         while Instant::now() < deadline {
             match Worker::join(self.config.clone()).await {
                 Ok(mut worker) => {
-                    self.events = worker.events();
+                    self.events = worker.events().expect("events taken once");
                     self.worker = Some(worker);
                     return;
                 }
@@ -609,7 +609,7 @@ async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
         let mut worker = Worker::join(config.clone()).await?;
         let biller = Biller {
             name,
-            events: worker.events(),
+            events: worker.events().expect("events taken once"),
             config,
             held: Arc::new(AtomicU64::new(0)),
             worker: Some(worker),

@@ -19,16 +19,16 @@ use tenure::ids::{PartitionId, SessionId};
 use tenure::local_cluster::LocalCluster;
 use tenure::ownership::Event;
 use tenure::store::AppliedEvent;
-use tenure::worker::{PartitionHandle, Worker, WorkerEvent};
+use tenure::worker::{Events, PartitionHandle, Worker, WorkerEvent};
 use tokio::sync::broadcast;
-use tokio::sync::mpsc::UnboundedReceiver;
+
 use tokio::time::Instant;
 
-/// The handles of every `Assigned` event so far that are still valid, by partition.
-fn valid_handles(events: &mut UnboundedReceiver<WorkerEvent>) -> BTreeMap<PartitionId, PartitionHandle> {
+/// The handles of every `Granted` event so far that are still valid, by partition.
+fn valid_handles(events: &mut Events) -> BTreeMap<PartitionId, PartitionHandle> {
     let mut handles = BTreeMap::new();
-    while let Ok(event) = events.try_recv() {
-        if let WorkerEvent::Assigned(h) = event {
+    while let Some(event) = events.try_recv() {
+        if let WorkerEvent::Granted(h) = event {
             handles.insert(h.partition(), h);
         }
     }
@@ -73,11 +73,9 @@ async fn first_applied(feeds: &mut Feeds, pick: impl Fn(&Event) -> bool) -> Even
 }
 
 /// Workers a and b on a settled table, with a's event stream and the handles a believes in.
-async fn two_workers(
-    c: &LocalCluster,
-) -> (Worker, Worker, UnboundedReceiver<WorkerEvent>, BTreeMap<PartitionId, PartitionHandle>) {
+async fn two_workers(c: &LocalCluster) -> (Worker, Worker, Events, BTreeMap<PartitionId, PartitionHandle>) {
     let mut a = worker(c, "a").await;
-    let mut events = a.events();
+    let mut events = a.events().expect("events taken once");
     let b = worker(c, "b").await;
     settled(c, 2).await;
     workers_agree(c, &[&a, &b]).await;
@@ -135,7 +133,7 @@ async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
 
     let mut a = worker(&c, "a").await;
     assert_eq!(a.lease_ttl(), created, "workers are told the cluster's TTL");
-    let mut events = a.events();
+    let mut events = a.events().expect("events taken once");
     let b = worker(&c, "b").await;
     settled(&c, 2).await;
     workers_agree(&c, &[&a, &b]).await;
@@ -206,7 +204,7 @@ async fn leaving_ends_belief_before_any_partition_moves() {
     leave.await.unwrap();
     // Every partition reports its one terminal event, Released.
     let mut released = std::collections::BTreeSet::new();
-    while let Ok(event) = events.try_recv() {
+    while let Some(event) = events.try_recv() {
         if let WorkerEvent::Released { partition, .. } = event {
             released.insert(partition);
         }

@@ -9,10 +9,8 @@ use common::*;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tenure::nemesis::{ProcessCluster, ServeSettings};
-use tenure::worker::{LostReason, PartitionHandle, Worker, WorkerEvent};
+use tenure::worker::{Events, LostReason, PartitionHandle, Worker, WorkerEvent};
 use tokio::time::Instant;
-
-type Events = tokio::sync::mpsc::UnboundedReceiver<WorkerEvent>;
 
 const PARTITIONS: u32 = 12;
 const LEASE: Duration = Duration::from_millis(2000);
@@ -32,12 +30,12 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
     let mut c = ProcessCluster::start(3, dir.path(), settings).await.expect("three serve processes");
     c.wait_for_leader(PATIENCE).await.expect("a leader");
     let mut w = Worker::join(c.worker_config("w1")).await.expect("joins");
-    let mut events = w.events();
+    let mut events = w.events().expect("events taken once");
     let mut handles: BTreeMap<u32, PartitionHandle> = BTreeMap::new();
     let until = Instant::now() + PATIENCE;
     while handles.len() < PARTITIONS as usize {
         match tokio::time::timeout_at(until, events.recv()).await {
-            Ok(Some(WorkerEvent::Assigned(h))) => {
+            Ok(Some(WorkerEvent::Granted(h))) => {
                 handles.insert(h.partition().0, h);
             }
             other => panic!("before the freeze, expected only assignments, got {other:?}"),
@@ -62,9 +60,9 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
     // believing in the meantime (lost by deadline) and believes again now, under the same token.
     let margin = LEASE / 5; // the library's default safety margin
     let renewed_after = |at: Instant, handles: &mut BTreeMap<u32, PartitionHandle>, events: &mut Events| {
-        while let Ok(e) = events.try_recv() {
+        while let Some(e) = events.try_recv() {
             match e {
-                WorkerEvent::Assigned(h) => {
+                WorkerEvent::Granted(h) => {
                     assert_eq!(Some(&h.token()), before.get(&h.partition()), "same token");
                     handles.insert(h.partition().0, h);
                 }

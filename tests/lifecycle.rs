@@ -11,15 +11,15 @@ mod common;
 use common::*;
 use std::time::{Duration, Instant};
 use tenure::proto::peer::CampaignRequest;
-use tenure::worker::WorkerEvent;
+use tenure::worker::{Events, WorkerEvent};
 use tonic::Code;
 
 /// Enough that a renewal refused during the handover is retried well inside the lease.
 const LONG_TTL: Duration = Duration::from_secs(3);
 const BOUND: Duration = Duration::from_secs(20);
 
-fn no_loss(events: &mut tokio::sync::mpsc::UnboundedReceiver<WorkerEvent>, who: &str) {
-    while let Ok(event) = events.try_recv() {
+fn no_loss(events: &mut Events, who: &str) {
+    while let Some(event) = events.try_recv() {
         assert!(!matches!(event, WorkerEvent::Lost { .. }), "{who} lost a partition: {event:?}");
     }
 }
@@ -37,13 +37,13 @@ async fn a_leader_stopped_gracefully_hands_over_and_no_worker_loses_a_lease() {
     let leader = c.wait_for_leader(PATIENCE).await.expect("a leader");
     let mut w1 = worker(&c, "w1").await;
     let mut w2 = worker(&c, "w2").await;
-    let mut events = [w1.events(), w2.events()];
+    let mut events = [w1.events().expect("events taken once"), w2.events().expect("events taken once")];
     settled(&c, 2).await;
     let before = workers_agree(&c, &[&w1, &w2]).await;
     // What the join of w2 took from w1 (revoked, and not released by this test, which holds
     // the event streams) is over; from here on nothing may be lost.
     for rx in &mut events {
-        while rx.try_recv().is_ok() {}
+        while rx.try_recv().is_some() {}
     }
 
     // A follower stopped gracefully has nothing to hand over.
@@ -263,10 +263,10 @@ async fn an_operators_drain_moves_a_workers_partitions_gracefully_and_ends_its_s
     let leader = c.leader().unwrap();
     let mut w1 = worker(&c, "w1").await;
     let w2 = worker(&c, "w2").await;
-    let mut events = w1.events();
+    let mut events = w1.events().expect("events taken once");
     settled(&c, 2).await;
     let before = workers_agree(&c, &[&w1, &w2]).await;
-    while events.try_recv().is_ok() {} // what the join of w2 took from w1 is over
+    while events.try_recv().is_some() {} // what the join of w2 took from w1 is over
     let held_by_w1: Vec<u32> =
         before.partitions.iter().filter(|r| r.owner == w1.session().0).map(|r| r.partition).collect();
 
@@ -293,7 +293,7 @@ async fn an_operators_drain_moves_a_workers_partitions_gracefully_and_ends_its_s
             WorkerEvent::Released { partition, .. } => released.push(partition.0),
             WorkerEvent::SessionEnded { .. } => ended = true,
             WorkerEvent::Lost { .. } => panic!("w1 lost a partition while being drained: {event:?}"),
-            WorkerEvent::Assigned(_) => {}
+            WorkerEvent::Granted(_) => {}
         }
     }
     released.sort();
@@ -342,8 +342,8 @@ async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_
     // While it is on, two workers join and w3 leaves: w3's partitions go to the newcomers, and
     // w1, which balance would have asked for a third of its partitions, keeps every one of them
     // under the same token.
-    let mut w1_events = w1.events();
-    while w1_events.try_recv().is_ok() {} // what w3's join took from w1 is over
+    let mut w1_events = w1.events().expect("events taken once");
+    while w1_events.try_recv().is_some() {} // what w3's join took from w1 is over
     let w2 = worker(&c, "w2").await;
     let w4 = worker(&c, "w4").await;
     w3.leave().await.expect("w3 leaves");
@@ -355,7 +355,7 @@ async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_
     .await;
     assert_eq!(held(&during, w1.session().0), w1_before, "w1 kept every partition and token");
     assert_eq!(held(&during, w2.session().0).len() + held(&during, w4.session().0).len(), 12, "{during:?}");
-    while let Ok(event) = w1_events.try_recv() {
+    while let Some(event) = w1_events.try_recv() {
         assert!(!matches!(event, WorkerEvent::Revoking { .. } | WorkerEvent::Lost { .. }), "{event:?}");
     }
 
@@ -403,16 +403,17 @@ async fn a_workers_bounded_shutdown_leaves_when_it_can_and_stops_believing_when_
     let c = cluster(dir.path()).await;
     let mut w1 = worker(&c, "w1").await;
     let mut w2 = worker(&c, "w2").await;
-    let (mut events1, mut events2) = (w1.events(), w2.events());
+    let (mut events1, mut events2) =
+        (w1.events().expect("events taken once"), w2.events().expect("events taken once"));
     let before = settled(&c, 2).await;
     let held_by_w1: Vec<u32> =
         before.partitions.iter().filter(|r| r.owner == w1.session().0).map(|r| r.partition).collect();
-    while events1.try_recv().is_ok() {} // what the join of w2 took from w1 is over
+    while events1.try_recv().is_some() {} // what the join of w2 took from w1 is over
 
     // Reachable: the leave goes through, every partition is given back, none expires.
     w1.shutdown(BOUND).await.expect("w1 leaves within the bound");
     let mut released = Vec::new();
-    while let Ok(event) = events1.try_recv() {
+    while let Some(event) = events1.try_recv() {
         match event {
             WorkerEvent::Released { partition, .. } => released.push(partition.0),
             WorkerEvent::Lost { .. } => panic!("w1 lost a partition on shutdown: {event:?}"),
@@ -427,8 +428,8 @@ async fn a_workers_bounded_shutdown_leaves_when_it_can_and_stops_believing_when_
     // Unreachable: the cluster is gone; the shutdown gives up after its bound, and the
     // worker believes nothing any more.
     let mut handles = Vec::new();
-    while let Ok(event) = events2.try_recv() {
-        if let WorkerEvent::Assigned(h) = event {
+    while let Some(event) = events2.try_recv() {
+        if let WorkerEvent::Granted(h) = event {
             handles.push(h);
         }
     }
@@ -452,9 +453,9 @@ async fn an_operators_move_pins_a_partition_to_a_worker_and_it_moves_there_grace
     let leader = c.leader().unwrap();
     let mut w1 = worker(&c, "w1").await;
     let w2 = worker(&c, "w2").await;
-    let mut events = w1.events();
+    let mut events = w1.events().expect("events taken once");
     let before = settled(&c, 2).await;
-    while events.try_recv().is_ok() {} // what the join of w2 took from w1 is over
+    while events.try_recv().is_some() {} // what the join of w2 took from w1 is over
     let p = before.partitions.iter().find(|r| r.owner == w1.session().0).expect("w1 owns some").partition;
 
     let mut as_worker = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w2".into())).await);

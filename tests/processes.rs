@@ -660,7 +660,7 @@ fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
     let mut config = WorkerConfig::new(addrs.clone(), "roller");
     config.tls = Some(tls("worker-roller"));
     let mut worker = until("the worker joins", || runtime.block_on(Worker::join(config.clone())).ok());
-    let mut events = worker.events();
+    let mut events = worker.events().expect("events taken once");
     let table = |s: &tenure::proto::StatusResponse| {
         s.partitions.iter().map(|r| (r.partition, r.owner, r.token)).collect::<Vec<_>>()
     };
@@ -690,7 +690,7 @@ fn a_rolling_restart_by_sigterm_moves_nothing_and_loses_no_lease() {
         (worker.owned().len() == 16).then(|| table(&status))
     });
     assert_eq!(after, before, "no partition changed owner or token");
-    while let Ok(event) = events.try_recv() {
+    while let Some(event) = events.try_recv() {
         assert!(!matches!(event, tenure::worker::WorkerEvent::Lost { .. }), "the worker lost {event:?}");
     }
     runtime.block_on(worker.leave()).expect("the worker leaves");
@@ -745,7 +745,7 @@ fn a_dead_node_is_replaced_by_a_new_one_and_no_lease_is_lost() {
         .unwrap(),
     );
     let mut worker = until("the worker joins", || runtime.block_on(Worker::join(config.clone())).ok());
-    let mut events = worker.events();
+    let mut events = worker.events().expect("events taken once");
     let before = until("the worker holds all 16 partitions", || {
         leaders_table().filter(|t| {
             t.iter().all(|(_, owner, _)| *owner == worker.session().0) && worker.owned().len() == 16
@@ -802,7 +802,7 @@ fn a_dead_node_is_replaced_by_a_new_one_and_no_lease_is_lost() {
             .flatten()
     });
     assert_eq!(after, before, "no partition changed owner or token");
-    while let Ok(event) = events.try_recv() {
+    while let Some(event) = events.try_recv() {
         assert!(!matches!(event, tenure::worker::WorkerEvent::Lost { .. }), "the worker lost {event:?}");
     }
 }

@@ -45,14 +45,14 @@ async fn a_million_partitions_with_two_workers_through_grpc() {
     c.wait_for_leader(PATIENCE).await.expect("a leader");
 
     let mut a = worker(&c, "a").await;
-    let mut events = a.events();
+    let mut events = a.events().expect("events taken once");
     let until = tokio::time::Instant::now() + WAIT;
     let mut sample = Vec::new();
     let mut assigned = 0;
     while assigned < PARTITIONS {
         let wait = until.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(wait, events.recv()).await.expect("assigned in time").expect("open") {
-            WorkerEvent::Assigned(h) => {
+            WorkerEvent::Granted(h) => {
                 assigned += 1;
                 if h.partition().0 % 1000 == 0 {
                     sample.push(h);

@@ -91,13 +91,13 @@ async fn a_frozen_worker_process_is_fenced_out_when_it_wakes() {
     signal(pid, "-STOP");
     let store = PostgresFence::connect(&pg).await.unwrap();
     let mut b = worker(&c, "B").await;
-    let mut events = b.events();
+    let mut events = b.events().expect("events taken once");
     let mut b_tokens = BTreeMap::new();
     while b_tokens.len() < 2 {
         let event = tokio::time::timeout(PATIENCE, events.recv()).await.unwrap().unwrap();
-        if let WorkerEvent::Assigned(h) = event {
-            h.acquire(&store).await.expect("B fences before resuming");
-            h.write(&store, b"counter", b"B").await.unwrap();
+        if let WorkerEvent::Granted(h) = event {
+            let fenced = h.acquire(&store).await.expect("B fences before resuming");
+            fenced.write(b"counter", b"B").await.unwrap();
             b_tokens.insert(h.partition(), h.token());
         }
     }

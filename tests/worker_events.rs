@@ -7,22 +7,18 @@ use common::*;
 use std::collections::BTreeMap;
 use tenure::fence::{FenceError, FenceStore, MemoryFence};
 use tenure::ids::{FencingToken, PartitionId};
-use tenure::worker::{LostReason, PartitionHandle, WorkerEvent};
-use tokio::sync::mpsc::UnboundedReceiver;
+use tenure::worker::{Events, LostReason, PartitionHandle, WorkerEvent};
 
-async fn next(events: &mut UnboundedReceiver<WorkerEvent>) -> WorkerEvent {
+async fn next(events: &mut Events) -> WorkerEvent {
     tokio::time::timeout(PATIENCE, events.recv()).await.expect("an event in time").expect("stream open")
 }
 
-/// Collects `Assigned` handles until `n` partitions are held.
-async fn assigned(
-    events: &mut UnboundedReceiver<WorkerEvent>,
-    n: usize,
-) -> BTreeMap<PartitionId, PartitionHandle> {
+/// Collects `Granted` handles until `n` partitions are held.
+async fn assigned(events: &mut Events, n: usize) -> BTreeMap<PartitionId, PartitionHandle> {
     let mut handles = BTreeMap::new();
     while handles.len() < n {
         match next(events).await {
-            WorkerEvent::Assigned(h) => {
+            WorkerEvent::Granted(h) => {
                 handles.insert(h.partition(), h);
             }
             other => panic!("unexpected {other:?}"),
@@ -36,7 +32,7 @@ async fn revoking_fires_the_cancellation_and_release_is_the_one_terminal_event()
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
     let mut w1 = worker(&c, "w1").await;
-    let mut events = w1.events();
+    let mut events = w1.events().expect("events taken once");
     let handles = assigned(&mut events, 24).await;
     assert!(handles.values().all(|h| h.is_valid()));
 
@@ -65,7 +61,7 @@ async fn revoking_fires_the_cancellation_and_release_is_the_one_terminal_event()
         }
     }
     settled(&c, 2).await;
-    assert!(events.try_recv().is_err(), "no further events for the released partitions");
+    assert!(events.try_recv().is_none(), "no further events for the released partitions");
     c.shutdown().await;
 }
 
@@ -74,7 +70,7 @@ async fn an_unreachable_coordinator_means_lost_by_deadline() {
     let dir = tempfile::tempdir().unwrap();
     let mut c = cluster(dir.path()).await;
     let mut w = worker(&c, "w1").await;
-    let mut events = w.events();
+    let mut events = w.events().expect("events taken once");
     let handles = assigned(&mut events, 24).await;
     for id in 1..=3 {
         c.stop(id).await;
@@ -100,17 +96,18 @@ async fn a_fencing_rejection_reports_the_partition_lost() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
     let mut w = worker(&c, "w1").await;
-    let mut events = w.events();
+    let mut events = w.events().expect("events taken once");
     let handles = assigned(&mut events, 24).await;
     let store = MemoryFence::default();
     let h = &handles[&PartitionId(5)];
-    assert_eq!(h.acquire(&store).await.unwrap(), None, "no checkpoint yet");
-    h.write(&store, b"k", b"v1").await.unwrap();
-    h.save_checkpoint(&store, b"offset=1").await.unwrap();
+    let fenced = h.acquire(&store).await.unwrap();
+    assert_eq!(fenced.resumed_from(), None, "no checkpoint yet");
+    fenced.write(b"k", b"v1").await.unwrap();
+    fenced.save_checkpoint(b"offset=1").await.unwrap();
 
     // Someone with a newer grant fences the partition (as a new owner would).
     store.raise(PartitionId(5), FencingToken(h.token().0 + 1000)).await.unwrap();
-    let err = h.write(&store, b"k", b"v2").await.unwrap_err();
+    let err = fenced.write(b"k", b"v2").await.unwrap_err();
     assert!(matches!(err, FenceError::Stale { .. }));
     match next(&mut events).await {
         WorkerEvent::Lost { partition, reason, .. } => {

@@ -26,7 +26,7 @@ pub(crate) async fn bench_worker(
     told: impl Fn(PartitionId, FencingToken, Instant, Option<Instant>) + Send + 'static,
 ) -> Result<Arc<Worker>> {
     let mut worker = Worker::join(config).await?;
-    let mut events = worker.events();
+    let mut events = worker.events().context("events taken once")?;
     let worker = Arc::new(worker);
     let me = Arc::downgrade(&worker);
     tokio::spawn(async move {
@@ -35,10 +35,10 @@ pub(crate) async fn bench_worker(
             let mut next = Some(event);
             while let Some(event) = next.take() {
                 match event {
-                    WorkerEvent::Assigned(h) => {
+                    WorkerEvent::Granted(h) => {
                         let at = Instant::now();
                         let wrote = match h.acquire(&*store).await {
-                            Ok(_) => h.write(&*store, b"k", b"v").await.ok().map(|()| Instant::now()),
+                            Ok(fenced) => fenced.write(b"k", b"v").await.ok().map(|()| Instant::now()),
                             Err(_) => None,
                         };
                         told(h.partition(), h.token(), at, wrote);
@@ -46,7 +46,7 @@ pub(crate) async fn bench_worker(
                     WorkerEvent::Revoking { partition, .. } => revoked.push(partition),
                     _ => {}
                 }
-                next = events.try_recv().ok();
+                next = events.try_recv();
             }
             if let (false, Some(me)) = (revoked.is_empty(), me.upgrade()) {
                 let _ = me.release(&revoked).await; // one call for the whole batch

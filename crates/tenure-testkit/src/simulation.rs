@@ -527,7 +527,7 @@ impl Sim {
                     // may confirm it (one sent at the very instant of the announcement may not).
                     self.at(10, Ev::Kick { w, session });
                 }
-                Change::Assigned { partition, token, valid_until } => {
+                Change::Granted { partition, token, valid_until } => {
                     // Fence before resume, then work.
                     let believed = Some(self.true_at(w, valid_until));
                     self.record(w, partition, token, WorkerOp::Acquired, self.now, believed);

@@ -63,7 +63,7 @@ pub enum Change {
     /// The stream named a grant not yet believed: a heartbeat sent from now on may confirm it.
     Announced { partition: PartitionId, token: FencingToken },
     /// Confirmed for the first time: believed until `valid_until`.
-    Assigned { partition: PartitionId, token: FencingToken, valid_until: Instant },
+    Granted { partition: PartitionId, token: FencingToken, valid_until: Instant },
     /// Being moved away: no longer believed; finish and release.
     Revoking { partition: PartitionId, token: FencingToken },
     /// No longer held.
@@ -217,7 +217,7 @@ impl Belief {
                     let until = h.valid_until.map_or(valid_until, |v| v.max(valid_until));
                     h.valid_until = Some(until);
                     if first {
-                        changes.push(Change::Assigned { partition, token, valid_until: until });
+                        changes.push(Change::Granted { partition, token, valid_until: until });
                     }
                 }
                 Some(h) if h.token > token => {}
@@ -238,7 +238,7 @@ impl Belief {
                     let held =
                         Held { token, revoking: false, valid_until: Some(valid_until), announced_at: None };
                     self.held.insert(partition, held);
-                    changes.push(Change::Assigned { partition, token, valid_until });
+                    changes.push(Change::Granted { partition, token, valid_until });
                 }
             }
         }

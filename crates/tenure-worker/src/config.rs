@@ -31,6 +31,9 @@ pub struct WorkerConfig {
     /// The certificate to connect with, which must name `tenure://worker/<name>` for this
     /// worker's name; `None` only for a cluster started with `--insecure`.
     pub tls: Option<crate::transport::ClientTls>,
+    /// How many events [`crate::Worker::events`] queues for a reader that is behind before the
+    /// worker gives its session up; default four per partition of the cluster, at least 65,536.
+    pub event_capacity: Option<usize>,
 }
 
 impl WorkerConfig {
@@ -44,6 +47,7 @@ impl WorkerConfig {
             dial_from: None,
             dialer: crate::transport::Dialer::tcp(),
             tls: None,
+            event_capacity: None,
         }
     }
 }

@@ -164,7 +164,7 @@ impl Worker {
                         every
                     }
                     Err(e) if e.is_session_gone() => {
-                        shared.end_session(e.to_string());
+                        shared.end_session(crate::SessionEnd::Gone(e));
                         return;
                     }
                     Err(e) => {

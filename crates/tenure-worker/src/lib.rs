@@ -20,10 +20,10 @@
 //! # async fn example() -> Result<(), tenure_worker::ClientError> {
 //! use tenure_worker::{Worker, WorkerConfig, WorkerEvent};
 //! let mut worker = Worker::join(WorkerConfig::new(vec!["127.0.0.1:7001".into()], "billing-1")).await?;
-//! let mut events = worker.events();
+//! let mut events = worker.events().expect("taken once");
 //! while let Some(event) = events.recv().await {
 //!     match event {
-//!         WorkerEvent::Assigned(handle) => println!("own {} under {}", handle.partition(), handle.token()),
+//!         WorkerEvent::Granted(handle) => println!("own {} under {}", handle.partition(), handle.token()),
 //!         WorkerEvent::Revoking { partition, .. } => { worker.release(&[partition]).await?; }
 //!         WorkerEvent::Lost { partition, .. } => println!("stop {partition} now"),
 //!         _ => {}
@@ -50,8 +50,8 @@ mod watch;
 pub use belief::{Belief, Change, End, Held, LostReason};
 pub use client::{Client, ClientError};
 pub use config::WorkerConfig;
-pub use events::WorkerEvent;
-pub use handle::PartitionHandle;
+pub use events::{Events, SessionEnd, WorkerEvent};
+pub use handle::{Fenced, PartitionHandle};
 pub use router::{Route, Router};
 pub use transport::ClientTls;
 
@@ -61,7 +61,6 @@ use shared::Shared;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -85,7 +84,7 @@ pub struct Worker {
     session: SessionId,
     secret: String,
     shared: Arc<Shared>,
-    events: Option<mpsc::UnboundedReceiver<WorkerEvent>>,
+    events: Option<Events>,
     cancel: CancellationToken,
     /// Set once the session was left or abandoned, so dropping does not leave again.
     left: std::sync::atomic::AtomicBool,
@@ -147,6 +146,12 @@ async fn send_release_request(client: Client, request: proto::ReleaseRequest) ->
     Ok(())
 }
 
+/// Room for every partition of the cluster to be granted, revoked and released a few times
+/// over before a reader that fell behind loses its session.
+fn default_event_capacity(partition_count: u32) -> usize {
+    (partition_count as usize).saturating_mul(4).max(65_536)
+}
+
 impl Worker {
     /// Joins the cluster and starts heartbeating and watching.
     pub async fn join(config: WorkerConfig) -> Result<Worker, ClientError> {
@@ -176,7 +181,9 @@ impl Worker {
         }
         let keyspace =
             KeySpace::new(joined.partition_count).map_err(|e| ClientError::Other(e.to_string()))?;
-        let (tx, rx) = mpsc::unbounded_channel();
+        let capacity =
+            config.event_capacity.unwrap_or_else(|| default_event_capacity(joined.partition_count));
+        let (tx, rx) = events::channel(capacity);
         let cancel = CancellationToken::new();
         let shared = Arc::new(Shared::new(Belief::new(ttl, margin), keyspace, tx, cancel.child_token()));
         let worker = Worker {
@@ -206,9 +213,10 @@ impl Worker {
         self.shared.keyspace
     }
 
-    /// The event stream; can be taken once.
-    pub fn events(&mut self) -> mpsc::UnboundedReceiver<WorkerEvent> {
-        self.events.take().expect("Worker::events can be taken once")
+    /// The event stream, bounded by [`WorkerConfig::event_capacity`]: `Some` the first time,
+    /// `None` after (there is one reader, so no event is seen twice or missed by both).
+    pub fn events(&mut self) -> Option<Events> {
+        self.events.take()
     }
 
     /// Partitions this worker believes it holds right now (confirmed and not past their deadline).
@@ -286,7 +294,7 @@ impl Worker {
             return Err(e);
         }
         self.left.store(true, std::sync::atomic::Ordering::SeqCst);
-        self.shared.end_session("left".into());
+        self.shared.end_session(SessionEnd::Left);
         self.cancel.cancel();
         Ok(())
     }

@@ -2,11 +2,12 @@
 //! step that turns each change of belief into what the application sees (events, partition
 //! handles, their cancellation), in the order the changes happened.
 //!
-//! The invariant kept here: every `Assigned` is followed by exactly one `Lost` or `Released` for
+//! The invariant kept here: every `Granted` is followed by exactly one `Lost` or `Released` for
 //! the same grant, and a handle's cancellation fires when its grant is revoked, lost or released,
 //! or the session ends.
 
-use super::{Belief, Change, End, PartitionHandle, WorkerEvent};
+use super::events::EventSender;
+use super::{Belief, Change, End, PartitionHandle, SessionEnd, WorkerEvent};
 use crate::ids::{FencingToken, PartitionId};
 use crate::keyspace::{HashRange, KeySpace};
 use crate::proto;
@@ -14,7 +15,7 @@ use crate::proto::ownership_event::Kind;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -29,9 +30,9 @@ pub(crate) struct Shared {
     /// One lock for belief and handles, held while the changes are reported, so the application
     /// sees every partition's events in the order they happened.
     pub(super) local: Mutex<Local>,
-    // Unbounded on purpose: the background tasks must never wait for the application. The number
-    // of pending events is bounded by partitions times transitions.
-    pub(super) events: mpsc::UnboundedSender<WorkerEvent>,
+    /// Bounded, and never waited on: the background tasks must never wait for the application,
+    /// so a full stream gives the session up instead (see `events.rs`).
+    pub(super) events: EventSender,
     pub(super) keyspace: KeySpace,
     pub(super) ttl: Duration,
     pub(super) kick: Notify,
@@ -54,7 +55,7 @@ impl Shared {
     pub(super) fn new(
         belief: Belief,
         keyspace: KeySpace,
-        events: mpsc::UnboundedSender<WorkerEvent>,
+        events: EventSender,
         session_over: CancellationToken,
     ) -> Shared {
         Shared {
@@ -71,8 +72,10 @@ impl Shared {
         }
     }
 
-    pub(super) fn emit(&self, event: WorkerEvent) {
-        let _ = self.events.send(event);
+    /// Tells the application; `false` when the stream overflowed and the session must be given
+    /// up.
+    pub(super) fn emit(&self, event: WorkerEvent) -> bool {
+        self.events.send(event)
     }
 
     pub(super) fn watching_at(&self, addr: Option<&str>) {
@@ -92,19 +95,21 @@ impl Shared {
     /// application, cancelled handles, a kick for the heartbeat task.
     pub(super) fn step<T>(self: &Arc<Self>, f: impl FnOnce(&mut Belief, Instant) -> (T, Vec<Change>)) -> T {
         let mut local = self.local.lock().expect("worker lock poisoned");
-        let (out, changes) = f(&mut local.belief, Instant::now());
+        let now = Instant::now();
+        let (out, changes) = f(&mut local.belief, now);
+        let mut told = true;
         for change in changes {
             match change {
                 Change::Announced { .. } => self.kick.notify_one(),
                 Change::Unreleased { .. } => {} // returned by `renewed`
-                Change::Assigned { partition, token, .. } => {
+                Change::Granted { partition, token, .. } => {
                     let cancel = self.session_over.child_token();
                     if let Some((_, old)) = local.handles.insert(partition, (token, cancel.clone())) {
                         old.cancel();
                     }
                     self.confirmed.notify_one();
                     let range = self.keyspace.range(partition).unwrap_or(HashRange { start: 0, end: 0 });
-                    self.emit(WorkerEvent::Assigned(PartitionHandle {
+                    told &= self.emit(WorkerEvent::Granted(PartitionHandle {
                         partition,
                         token,
                         range,
@@ -116,19 +121,28 @@ impl Shared {
                     if let Some((_, cancel)) = local.handles.get(&partition).filter(|(t, _)| *t == token) {
                         cancel.cancel();
                     }
-                    self.emit(WorkerEvent::Revoking { partition, token });
+                    told &= self.emit(WorkerEvent::Revoking { partition, token });
                 }
                 Change::Ended { partition, token, end } => {
                     if local.handles.get(&partition).is_some_and(|(t, _)| *t == token) {
                         let (_, cancel) = local.handles.remove(&partition).expect("present");
                         cancel.cancel();
                     }
-                    self.emit(match end {
+                    told &= self.emit(match end {
                         End::Released => WorkerEvent::Released { partition, token },
                         End::Lost(reason) => WorkerEvent::Lost { partition, token, reason },
                     });
                 }
             }
+        }
+        if !told {
+            // The application stopped reading: belief ends for every grant now, and the
+            // session's tasks stop, so the coordinator expires it one TTL later.
+            local.belief.end_session(now);
+            for (_, (_, cancel)) in std::mem::take(&mut local.handles) {
+                cancel.cancel();
+            }
+            self.session_over.cancel();
         }
         out
     }
@@ -174,7 +188,7 @@ impl Shared {
         let (partition, token) = (PartitionId(event.partition), FencingToken(event.token));
         self.step(|b, now| {
             let changes = match Kind::try_from(event.kind).unwrap_or(Kind::Unspecified) {
-                Kind::Assigned => b.announced(partition, token, now),
+                Kind::Granted => b.announced(partition, token, now),
                 Kind::Revoking => b.revoking(partition, token),
                 Kind::Lost => b.lost(partition, token, now),
                 Kind::Released => b.released(partition, token, now),
@@ -201,7 +215,7 @@ impl Shared {
         })
     }
 
-    pub(super) fn end_session(self: &Arc<Self>, reason: String) {
+    pub(super) fn end_session(self: &Arc<Self>, reason: SessionEnd) {
         self.step(|b, now| ((), b.end_session(now)));
         self.emit(WorkerEvent::SessionEnded { reason });
         self.session_over.cancel();
@@ -215,9 +229,14 @@ mod tests {
     //! a heartbeat sent before a release used to bring the released partition back.
 
     use super::*;
+    use crate::events::Events;
 
-    fn shared() -> (Arc<Shared>, mpsc::UnboundedReceiver<WorkerEvent>) {
-        let (tx, rx) = mpsc::unbounded_channel();
+    fn shared() -> (Arc<Shared>, Events) {
+        shared_with_capacity(1024)
+    }
+
+    fn shared_with_capacity(capacity: usize) -> (Arc<Shared>, Events) {
+        let (tx, rx) = crate::events::channel(capacity);
         let belief = Belief::new(Duration::from_secs(1), Duration::from_millis(200));
         let shared = Arc::new(Shared::new(belief, KeySpace::new(4).unwrap(), tx, CancellationToken::new()));
         (shared, rx)
@@ -227,8 +246,8 @@ mod tests {
         vec![proto::PartitionLease { partition: p, token }]
     }
 
-    fn assigned(rx: &mut mpsc::UnboundedReceiver<WorkerEvent>) -> usize {
-        std::iter::from_fn(|| rx.try_recv().ok()).filter(|e| matches!(e, WorkerEvent::Assigned(_))).count()
+    fn assigned(rx: &mut Events) -> usize {
+        std::iter::from_fn(|| rx.try_recv()).filter(|e| matches!(e, WorkerEvent::Granted(_))).count()
     }
 
     #[test]
@@ -268,7 +287,7 @@ mod tests {
     }
 
     fn announce(s: &Arc<Shared>, p: u32, token: u64) {
-        stream(s, Kind::Assigned, p, token);
+        stream(s, Kind::Granted, p, token);
     }
 
     #[test]
@@ -304,14 +323,14 @@ mod tests {
         let (s, mut rx) = shared();
         s.renewed(Instant::now(), &lease(0, 4));
         let handle = match rx.try_recv() {
-            Ok(WorkerEvent::Assigned(h)) => h,
+            Some(WorkerEvent::Granted(h)) => h,
             other => panic!("{other:?}"),
         };
         assert!(handle.is_valid());
         let withdrawn = s.withdraw(None);
         assert_eq!(withdrawn, BTreeMap::from([(PartitionId(0), FencingToken(4))]));
         assert!(!handle.is_valid() && handle.cancellation().is_cancelled());
-        assert!(matches!(rx.try_recv(), Ok(WorkerEvent::Released { token: FencingToken(4), .. })));
+        assert!(matches!(rx.try_recv(), Some(WorkerEvent::Released { token: FencingToken(4), .. })));
     }
 
     #[test]
@@ -343,7 +362,7 @@ mod tests {
     fn every_handle_is_cancelled_when_the_session_is_over() {
         let (s, mut rx) = shared();
         s.renewed(Instant::now(), &lease(3, 9));
-        let Ok(WorkerEvent::Assigned(handle)) = rx.try_recv() else { panic!("assigned") };
+        let Some(WorkerEvent::Granted(handle)) = rx.try_recv() else { panic!("granted") };
         s.session_over.cancel();
         assert!(handle.cancellation().is_cancelled());
     }

@@ -89,16 +89,16 @@ async fn spawn_worker(
     log: Log,
 ) -> Result<Arc<Worker>> {
     let mut worker = Worker::join(cluster.worker_config(name)).await?;
-    let mut events = worker.events();
+    let mut events = worker.events().context("a new worker's events")?;
     let worker = Arc::new(worker);
     let handle = Arc::downgrade(&worker);
     tokio::spawn(async move {
         while let Some(event) = events.recv().await {
             let t = start.elapsed().as_secs_f64();
             let line = match &event {
-                WorkerEvent::Assigned(h) => {
+                WorkerEvent::Granted(h) => {
                     let (partition, token, range) = (h.partition(), h.token(), h.range());
-                    format!("t={t:6.2}s  {name} assigned {partition:>4} token={token:<4} hashes {:#018x}..={:#018x}", range.start, range.end)
+                    format!("t={t:6.2}s  {name} granted  {partition:>4} token={token:<4} hashes {:#018x}..={:#018x}", range.start, range.end)
                 }
                 WorkerEvent::Revoking { partition, token } => {
                     format!("t={t:6.2}s  {name} revoking {partition:>4} token={token}")

@@ -574,22 +574,25 @@ async fn work(args: WorkArgs) -> Result<()> {
     let mut config = WorkerConfig::new(args.coordinators, args.name);
     config.tls = args.tls.load()?;
     let mut worker = Worker::join(config).await?;
-    let mut events = worker.events();
+    let mut events = worker.events().context("a new worker's events")?;
     println!("JOINED session={}", worker.session());
     let every = Duration::from_millis(args.write_every_ms);
     while let Some(event) = events.recv().await {
         match event {
-            WorkerEvent::Assigned(h) => {
-                println!("ASSIGNED {} token={}", h.partition(), h.token());
+            WorkerEvent::Granted(h) => {
+                println!("GRANTED {} token={}", h.partition(), h.token());
                 let store = store.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = h.acquire(&*store).await {
-                        println!("REJECT {} token={} ({e})", h.partition(), h.token());
-                        return;
-                    }
+                    let fenced = match h.acquire(store).await {
+                        Ok(fenced) => fenced,
+                        Err(e) => {
+                            println!("REJECT {} token={} ({e})", h.partition(), h.token());
+                            return;
+                        }
+                    };
                     for n in 1u64.. {
                         tokio::time::sleep(every).await;
-                        match h.write(&*store, b"counter", format!("{}:{n}", h.token()).as_bytes()).await {
+                        match fenced.write(b"counter", format!("{}:{n}", h.token()).as_bytes()).await {
                             Ok(()) => println!("ACCEPT {} token={} n={n}", h.partition(), h.token()),
                             Err(FenceError::Stale { highest, .. }) => {
                                 println!("REJECT {} token={} highest={highest}", h.partition(), h.token());

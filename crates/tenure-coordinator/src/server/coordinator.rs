@@ -450,7 +450,7 @@ impl Coordinator for CoordinatorService {
         tokio::spawn(async move {
             let _permit = permit;
             for (partition, record) in initial {
-                let kind = if record.revoking { Kind::Revoking } else { Kind::Assigned };
+                let kind = if record.revoking { Kind::Revoking } else { Kind::Granted };
                 if !send_or_stop(
                     &tx,
                     Ok(service.event_for(kind, partition, record.token.0, from_index)),
@@ -493,7 +493,7 @@ impl Coordinator for CoordinatorService {
                 for event in &applied.events {
                     let out = match *event {
                         Event::Granted { partition, session: s, token } if s == session => {
-                            service.event_for(Kind::Assigned, partition, token.0, applied.index)
+                            service.event_for(Kind::Granted, partition, token.0, applied.index)
                         }
                         Event::Revoking { partition, session: s, token } if s == session => {
                             service.event_for(Kind::Revoking, partition, token.0, applied.index)

@@ -1,6 +1,6 @@
 //! An in-memory fenced store, for tests and examples.
 
-use super::{FenceError, FenceStore, FenceTable};
+use super::{BatchOp, FenceBatch, FenceError, FenceStore, FenceTable};
 use crate::ids::{FencingToken, PartitionId};
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -48,35 +48,33 @@ impl FenceStore for MemoryFence {
         self.with(|i| i.fences.admit(partition, token))
     }
 
-    async fn write(
+    async fn apply(
         &self,
         partition: PartitionId,
         token: FencingToken,
-        key: &[u8],
-        value: &[u8],
+        batch: &FenceBatch,
     ) -> Result<(), FenceError> {
         self.with(|i| {
             i.fences.admit(partition, token)?;
-            i.data.insert((partition, key.to_vec()), value.to_vec());
+            for op in batch.ops() {
+                match op {
+                    BatchOp::Put { key, value } => {
+                        i.data.insert((partition, key.clone()), value.clone());
+                    }
+                    BatchOp::Delete { key } => {
+                        i.data.remove(&(partition, key.clone()));
+                    }
+                }
+            }
+            if let Some(checkpoint) = batch.new_checkpoint() {
+                i.checkpoints.insert(partition, checkpoint.to_vec());
+            }
             Ok(())
         })
     }
 
     async fn read(&self, partition: PartitionId, key: &[u8]) -> Result<Option<Vec<u8>>, FenceError> {
         self.with(|i| Ok(i.data.get(&(partition, key.to_vec())).cloned()))
-    }
-
-    async fn save_checkpoint(
-        &self,
-        partition: PartitionId,
-        token: FencingToken,
-        checkpoint: &[u8],
-    ) -> Result<(), FenceError> {
-        self.with(|i| {
-            i.fences.admit(partition, token)?;
-            i.checkpoints.insert(partition, checkpoint.to_vec());
-            Ok(())
-        })
     }
 
     async fn checkpoint(

@@ -32,12 +32,18 @@
 //! # }
 //! ```
 
+mod batch;
+mod dynamic;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "rocksdb")]
 mod rocks;
+#[cfg(feature = "testing")]
+pub mod testing;
 
+pub use batch::{BatchOp, FenceBatch};
+pub use dynamic::{BoxFuture, DynFenceStore};
 pub use memory::MemoryFence;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresFence;
@@ -130,6 +136,12 @@ impl FenceTable {
 /// A store that checks fencing tokens. Every method that takes a token checks it and raises the
 /// partition's fence in the same atomic step as its write.
 ///
+/// A backend implements five methods: [`raise`](FenceStore::raise), [`apply`](FenceStore::apply)
+/// (a [`FenceBatch`] after one check, all or nothing), [`read`](FenceStore::read),
+/// [`checkpoint`](FenceStore::checkpoint) and [`highest`](FenceStore::highest); single writes
+/// and checkpoints are batches of one. [`testing`] (feature `testing`) is the conformance suite
+/// a backend of one's own should pass. For a trait object, use [`DynFenceStore`].
+///
 /// Code written against the trait works with every backend, such as this fence-before-resume:
 ///
 /// ```
@@ -157,13 +169,13 @@ pub trait FenceStore: Send + Sync {
         token: FencingToken,
     ) -> impl Future<Output = Result<(), FenceError>> + Send;
 
-    /// Writes `key = value` in the partition's key space under `token`.
-    fn write(
+    /// Checks `token` once and applies every change of `batch` with the raised fence, in one
+    /// atomic step: a stale token or a failure writes none of it.
+    fn apply(
         &self,
         partition: PartitionId,
         token: FencingToken,
-        key: &[u8],
-        value: &[u8],
+        batch: &FenceBatch,
     ) -> impl Future<Output = Result<(), FenceError>> + Send;
 
     /// Reads a key (no token needed: reads cannot corrupt).
@@ -172,14 +184,6 @@ pub trait FenceStore: Send + Sync {
         partition: PartitionId,
         key: &[u8],
     ) -> impl Future<Output = Result<Option<Vec<u8>>, FenceError>> + Send;
-
-    /// Stores the partition's checkpoint (say, the last committed offset) under `token`.
-    fn save_checkpoint(
-        &self,
-        partition: PartitionId,
-        token: FencingToken,
-        checkpoint: &[u8],
-    ) -> impl Future<Output = Result<(), FenceError>> + Send;
 
     /// The partition's checkpoint, after checking that `token` is still admitted, so a new owner
     /// that raised its fence reads state no stale owner can change any more.
@@ -194,4 +198,53 @@ pub trait FenceStore: Send + Sync {
         &self,
         partition: PartitionId,
     ) -> impl Future<Output = Result<Option<FencingToken>, FenceError>> + Send;
+
+    /// Writes `key = value` in the partition's key space under `token`: a batch of one.
+    fn write(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        key: &[u8],
+        value: &[u8],
+    ) -> impl Future<Output = Result<(), FenceError>> + Send {
+        let batch = FenceBatch::of_put(key, value);
+        async move { self.apply(partition, token, &batch).await }
+    }
+
+    /// Stores the partition's checkpoint (say, the last committed offset) under `token`.
+    fn save_checkpoint(
+        &self,
+        partition: PartitionId,
+        token: FencingToken,
+        checkpoint: &[u8],
+    ) -> impl Future<Output = Result<(), FenceError>> + Send {
+        let batch = FenceBatch::of_checkpoint(checkpoint);
+        async move { self.apply(partition, token, &batch).await }
+    }
 }
+
+/// A reference, `Box` or `Arc` of a store is the same store, so owners can hand out whichever
+/// suits them (`Arc<dyn DynFenceStore>` included).
+macro_rules! forward_fence_store {
+    ($($ty:ty),*) => {$(
+        impl<S: FenceStore + ?Sized> FenceStore for $ty {
+            fn raise(&self, partition: PartitionId, token: FencingToken) -> impl Future<Output = Result<(), FenceError>> + Send {
+                (**self).raise(partition, token)
+            }
+            fn apply(&self, partition: PartitionId, token: FencingToken, batch: &FenceBatch) -> impl Future<Output = Result<(), FenceError>> + Send {
+                (**self).apply(partition, token, batch)
+            }
+            fn read(&self, partition: PartitionId, key: &[u8]) -> impl Future<Output = Result<Option<Vec<u8>>, FenceError>> + Send {
+                (**self).read(partition, key)
+            }
+            fn checkpoint(&self, partition: PartitionId, token: FencingToken) -> impl Future<Output = Result<Option<Vec<u8>>, FenceError>> + Send {
+                (**self).checkpoint(partition, token)
+            }
+            fn highest(&self, partition: PartitionId) -> impl Future<Output = Result<Option<FencingToken>, FenceError>> + Send {
+                (**self).highest(partition)
+            }
+        }
+    )*};
+}
+
+forward_fence_store!(&S, Box<S>, std::sync::Arc<S>);

@@ -6,9 +6,9 @@
 //! block the next owner; set `idle_in_transaction_session_timeout` on the writers' sessions so
 //! the server ends such transactions.
 
-use super::{FenceError, FenceStore};
+use super::{BatchOp, FenceBatch, FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId};
-use tokio::sync::Mutex;
+use tokio::sync::{Semaphore, SemaphorePermit};
 use tokio_postgres::{Client, NoTls, Transaction};
 
 const SCHEMA: &str = "
@@ -29,10 +29,15 @@ INSERT INTO tenure_fence (partition, fence_token) VALUES ($1, $2)
 ON CONFLICT (partition) DO UPDATE SET fence_token = EXCLUDED.fence_token
 WHERE tenure_fence.fence_token <= EXCLUDED.fence_token";
 
+const UPSERT: &str = "
+INSERT INTO tenure_data (partition, key, value) VALUES ($1, $2, $3)
+ON CONFLICT (partition, key) DO UPDATE SET value = EXCLUDED.value";
+
 /// A [`FenceStore`] on PostgreSQL; [`PostgresFence::transaction`] puts the application's own
 /// tables under the same fence.
 ///
-/// One connection behind an async mutex: a transaction needs it exclusively.
+/// Calls take a connection from a small pool ([`PostgresFence::connect_pooled`]; eight by
+/// default), so one partition's transaction never waits for another's.
 ///
 /// ```no_run
 /// # async fn example() -> Result<(), tenure_core::fence::FenceError> {
@@ -46,7 +51,71 @@ WHERE tenure_fence.fence_token <= EXCLUDED.fence_token";
 /// # Ok(()) }
 /// ```
 pub struct PostgresFence {
-    client: Mutex<Client>,
+    pool: Pool,
+}
+
+/// Connections to one server, opened on demand up to a bound and kept for reuse; a connection
+/// the server closed is dropped, not handed out again.
+struct Pool {
+    config: String,
+    idle: std::sync::Mutex<Vec<Client>>,
+    permits: Semaphore,
+}
+
+/// A connection taken from the pool; it goes back when dropped, unless it was closed.
+struct Pooled<'a> {
+    client: Option<Client>,
+    pool: &'a Pool,
+    _permit: SemaphorePermit<'a>,
+}
+
+impl std::ops::Deref for Pooled<'_> {
+    type Target = Client;
+    fn deref(&self) -> &Client {
+        self.client.as_ref().expect("present until dropped")
+    }
+}
+
+impl std::ops::DerefMut for Pooled<'_> {
+    fn deref_mut(&mut self) -> &mut Client {
+        self.client.as_mut().expect("present until dropped")
+    }
+}
+
+impl Drop for Pooled<'_> {
+    fn drop(&mut self) {
+        if let Some(client) = self.client.take().filter(|c| !c.is_closed()) {
+            if let Ok(mut idle) = self.pool.idle.lock() {
+                idle.push(client);
+            }
+        }
+    }
+}
+
+async fn open(config: &str) -> Result<Client, FenceError> {
+    let (client, connection) = tokio_postgres::connect(config, NoTls).await.map_err(db)?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(error = %e, "postgres connection ended");
+        }
+    });
+    Ok(client)
+}
+
+impl Pool {
+    async fn get(&self) -> Result<Pooled<'_>, FenceError> {
+        let permit = self.permits.acquire().await.map_err(|_| FenceError::Backend("pool closed".into()))?;
+        let reused = {
+            let mut idle = self.idle.lock().map_err(|_| FenceError::Backend("pool lock poisoned".into()))?;
+            idle.retain(|c| !c.is_closed());
+            idle.pop()
+        };
+        let client = match reused {
+            Some(client) => client,
+            None => open(&self.config).await?,
+        };
+        Ok(Pooled { client: Some(client), pool: self, _permit: permit })
+    }
 }
 
 /// The server's own words when it sent an error (the driver's `Display` says only "db error").
@@ -67,16 +136,24 @@ fn sql_token(t: FencingToken) -> Result<i64, FenceError> {
 
 impl PostgresFence {
     /// Connects with a libpq-style string (`host=127.0.0.1 user=postgres dbname=tenure`) and
-    /// creates the tables when missing.
+    /// creates the tables when missing; calls share a pool of eight connections.
     pub async fn connect(config: &str) -> Result<PostgresFence, FenceError> {
-        let (client, connection) = tokio_postgres::connect(config, NoTls).await.map_err(db)?;
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::warn!(error = %e, "postgres connection ended");
-            }
-        });
-        client.batch_execute(SCHEMA).await.map_err(db)?;
-        Ok(PostgresFence { client: Mutex::new(client) })
+        PostgresFence::connect_pooled(config, 8).await
+    }
+
+    /// As [`PostgresFence::connect`], with at most `connections` connections open at once.
+    pub async fn connect_pooled(config: &str, connections: usize) -> Result<PostgresFence, FenceError> {
+        if connections == 0 {
+            return Err(FenceError::Backend("a pool needs at least one connection".into()));
+        }
+        let first = open(config).await?;
+        first.batch_execute(SCHEMA).await.map_err(db)?;
+        let pool = Pool {
+            config: config.to_string(),
+            idle: std::sync::Mutex::new(vec![first]),
+            permits: Semaphore::new(connections),
+        };
+        Ok(PostgresFence { pool })
     }
 
     /// Raises the fence inside `tx`; a stale token rolls nothing forward.
@@ -124,7 +201,7 @@ impl PostgresFence {
             Box<dyn std::future::Future<Output = Result<T, FenceError>> + Send + 'a>,
         >,
     {
-        let mut client = self.client.lock().await;
+        let mut client = self.pool.get().await?;
         let tx = client.transaction().await.map_err(db)?;
         Self::raise_in(&tx, p, token).await?;
         let value = work(&tx).await?;
@@ -138,23 +215,37 @@ impl FenceStore for PostgresFence {
         self.transaction(partition, token, |_| Box::pin(async { Ok(()) })).await
     }
 
-    async fn write(
+    async fn apply(
         &self,
         partition: PartitionId,
         token: FencingToken,
-        key: &[u8],
-        value: &[u8],
+        batch: &FenceBatch,
     ) -> Result<(), FenceError> {
-        let (p, key, value) = (sql_partition(partition)?, key.to_vec(), value.to_vec());
+        let p = sql_partition(partition)?;
+        let batch = batch.clone();
         self.transaction(partition, token, move |tx| {
             Box::pin(async move {
-                tx.execute(
-                    "INSERT INTO tenure_data (partition, key, value) VALUES ($1, $2, $3)
-                     ON CONFLICT (partition, key) DO UPDATE SET value = EXCLUDED.value",
-                    &[&p, &key, &value],
-                )
-                .await
-                .map_err(db)?;
+                for op in batch.ops() {
+                    match op {
+                        BatchOp::Put { key, value } => tx.execute(UPSERT, &[&p, key, value]).await,
+                        BatchOp::Delete { key } => {
+                            tx.execute(
+                                "DELETE FROM tenure_data WHERE partition = $1 AND key = $2",
+                                &[&p, key],
+                            )
+                            .await
+                        }
+                    }
+                    .map_err(db)?;
+                }
+                if let Some(checkpoint) = batch.new_checkpoint() {
+                    tx.execute(
+                        "UPDATE tenure_fence SET checkpoint = $2 WHERE partition = $1",
+                        &[&p, &checkpoint],
+                    )
+                    .await
+                    .map_err(db)?;
+                }
                 Ok(())
             })
         })
@@ -162,7 +253,7 @@ impl FenceStore for PostgresFence {
     }
 
     async fn read(&self, partition: PartitionId, key: &[u8]) -> Result<Option<Vec<u8>>, FenceError> {
-        let client = self.client.lock().await;
+        let client = self.pool.get().await?;
         let row = client
             .query_opt(
                 "SELECT value FROM tenure_data WHERE partition = $1 AND key = $2",
@@ -173,33 +264,12 @@ impl FenceStore for PostgresFence {
         Ok(row.map(|r| r.get(0)))
     }
 
-    async fn save_checkpoint(
-        &self,
-        partition: PartitionId,
-        token: FencingToken,
-        checkpoint: &[u8],
-    ) -> Result<(), FenceError> {
-        let (p, checkpoint) = (sql_partition(partition)?, checkpoint.to_vec());
-        self.transaction(partition, token, move |tx| {
-            Box::pin(async move {
-                tx.execute(
-                    "UPDATE tenure_fence SET checkpoint = $2 WHERE partition = $1",
-                    &[&p, &checkpoint],
-                )
-                .await
-                .map_err(db)?;
-                Ok(())
-            })
-        })
-        .await
-    }
-
     async fn checkpoint(
         &self,
         partition: PartitionId,
         token: FencingToken,
     ) -> Result<Option<Vec<u8>>, FenceError> {
-        let client = self.client.lock().await;
+        let client = self.pool.get().await?;
         let row = client
             .query_opt(
                 "SELECT fence_token, checkpoint FROM tenure_fence WHERE partition = $1",
@@ -220,7 +290,7 @@ impl FenceStore for PostgresFence {
     }
 
     async fn highest(&self, partition: PartitionId) -> Result<Option<FencingToken>, FenceError> {
-        let client = self.client.lock().await;
+        let client = self.pool.get().await?;
         let row = client
             .query_opt(
                 "SELECT fence_token FROM tenure_fence WHERE partition = $1",

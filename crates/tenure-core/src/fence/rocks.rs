@@ -3,9 +3,10 @@
 //!
 //! Each operation reads the partition's fence and writes the new fence plus the data in one
 //! synced write batch, under a lock that serialises operations on that partition, so the check
-//! and the write are one step and a crash leaves both or neither.
+//! and the write are one step and a crash leaves both or neither. The work runs on Tokio's
+//! blocking pool, never on a runtime thread.
 
-use super::{admits, FenceError, FenceStore};
+use super::{admits, BatchOp, FenceBatch, FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,11 @@ const STRIPES: usize = 64;
 /// # }
 /// ```
 pub struct RocksFence {
-    db: Arc<rocksdb::DB>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    db: rocksdb::DB,
     stripes: Vec<Mutex<()>>,
 }
 
@@ -63,9 +68,30 @@ impl RocksFence {
         let mut options = rocksdb::Options::default();
         options.create_if_missing(true);
         let db = rocksdb::DB::open(&options, dir).map_err(backend)?;
-        Ok(RocksFence { db: Arc::new(db), stripes: (0..STRIPES).map(|_| Mutex::new(())).collect() })
+        let stripes = (0..STRIPES).map(|_| Mutex::new(())).collect();
+        Ok(RocksFence { inner: Arc::new(Inner { db, stripes }) })
     }
 
+    /// Runs `work` where blocking is allowed: RocksDB reads and synced writes wait on the disk,
+    /// so inside a Tokio runtime they go to its blocking pool and never hold a runtime thread.
+    /// A caller that stops waiting does not stop the work: like a write whose answer was lost,
+    /// it may still be applied.
+    async fn off_runtime<T: Send + 'static>(
+        &self,
+        work: impl FnOnce(&Inner) -> Result<T, FenceError> + Send + 'static,
+    ) -> Result<T, FenceError> {
+        let inner = self.inner.clone();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime
+                .spawn_blocking(move || work(&inner))
+                .await
+                .map_err(|e| FenceError::Backend(format!("the store's task failed: {e}")))?,
+            Err(_) => work(&inner),
+        }
+    }
+}
+
+impl Inner {
     fn highest_now(&self, p: PartitionId) -> Result<Option<FencingToken>, FenceError> {
         let raw = self.db.get(fence_key(p)).map_err(backend)?;
         raw.map(|b| {
@@ -76,58 +102,63 @@ impl RocksFence {
         .transpose()
     }
 
-    /// Under the partition's lock: check `token`, then write the raised fence and `extra` rows in
-    /// one synced batch.
-    fn fenced_write(
-        &self,
-        p: PartitionId,
-        token: FencingToken,
-        extra: &[(Vec<u8>, &[u8])],
-    ) -> Result<(), FenceError> {
-        let _guard = self.stripes[p.0 as usize % STRIPES]
-            .lock()
-            .map_err(|_| FenceError::Backend("lock poisoned".into()))?;
+    fn lock(&self, p: PartitionId) -> Result<std::sync::MutexGuard<'_, ()>, FenceError> {
+        self.stripes[p.0 as usize % STRIPES].lock().map_err(|_| FenceError::Backend("lock poisoned".into()))
+    }
+
+    fn admitted(&self, p: PartitionId, token: FencingToken) -> Result<(), FenceError> {
         let highest = self.highest_now(p)?;
         if !admits(highest, token) {
             return Err(FenceError::Stale { partition: p, token, highest: highest.unwrap_or_default() });
         }
-        let mut batch = rocksdb::WriteBatch::default();
-        batch.put(fence_key(p), token.0.to_be_bytes());
-        for (k, v) in extra {
-            batch.put(k, v);
+        Ok(())
+    }
+
+    /// Under the partition's lock: check `token`, then write the raised fence and the batch in
+    /// one synced write batch.
+    fn fenced_write(
+        &self,
+        p: PartitionId,
+        token: FencingToken,
+        batch: &FenceBatch,
+    ) -> Result<(), FenceError> {
+        let _guard = self.lock(p)?;
+        self.admitted(p, token)?;
+        let mut rows = rocksdb::WriteBatch::default();
+        rows.put(fence_key(p), token.0.to_be_bytes());
+        for op in batch.ops() {
+            match op {
+                BatchOp::Put { key, value } => rows.put(data_key(p, key), value),
+                BatchOp::Delete { key } => rows.delete(data_key(p, key)),
+            }
+        }
+        if let Some(checkpoint) = batch.new_checkpoint() {
+            rows.put(checkpoint_key(p), checkpoint);
         }
         let mut options = rocksdb::WriteOptions::default();
         options.set_sync(true);
-        self.db.write_opt(batch, &options).map_err(backend)
+        self.db.write_opt(rows, &options).map_err(backend)
     }
 }
 
 impl FenceStore for RocksFence {
     async fn raise(&self, partition: PartitionId, token: FencingToken) -> Result<(), FenceError> {
-        self.fenced_write(partition, token, &[])
+        self.off_runtime(move |db| db.fenced_write(partition, token, &FenceBatch::new())).await
     }
 
-    async fn write(
+    async fn apply(
         &self,
         partition: PartitionId,
         token: FencingToken,
-        key: &[u8],
-        value: &[u8],
+        batch: &FenceBatch,
     ) -> Result<(), FenceError> {
-        self.fenced_write(partition, token, &[(data_key(partition, key), value)])
+        let batch = batch.clone();
+        self.off_runtime(move |db| db.fenced_write(partition, token, &batch)).await
     }
 
     async fn read(&self, partition: PartitionId, key: &[u8]) -> Result<Option<Vec<u8>>, FenceError> {
-        self.db.get(data_key(partition, key)).map_err(backend)
-    }
-
-    async fn save_checkpoint(
-        &self,
-        partition: PartitionId,
-        token: FencingToken,
-        checkpoint: &[u8],
-    ) -> Result<(), FenceError> {
-        self.fenced_write(partition, token, &[(checkpoint_key(partition), checkpoint)])
+        let key = data_key(partition, key);
+        self.off_runtime(move |db| db.db.get(key).map_err(backend)).await
     }
 
     async fn checkpoint(
@@ -135,17 +166,15 @@ impl FenceStore for RocksFence {
         partition: PartitionId,
         token: FencingToken,
     ) -> Result<Option<Vec<u8>>, FenceError> {
-        let _guard = self.stripes[partition.0 as usize % STRIPES]
-            .lock()
-            .map_err(|_| FenceError::Backend("lock poisoned".into()))?;
-        let highest = self.highest_now(partition)?;
-        if !admits(highest, token) {
-            return Err(FenceError::Stale { partition, token, highest: highest.unwrap_or_default() });
-        }
-        self.db.get(checkpoint_key(partition)).map_err(backend)
+        self.off_runtime(move |db| {
+            let _guard = db.lock(partition)?;
+            db.admitted(partition, token)?;
+            db.db.get(checkpoint_key(partition)).map_err(backend)
+        })
+        .await
     }
 
     async fn highest(&self, partition: PartitionId) -> Result<Option<FencingToken>, FenceError> {
-        self.highest_now(partition)
+        self.off_runtime(move |db| db.highest_now(partition)).await
     }
 }

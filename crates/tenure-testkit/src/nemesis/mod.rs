@@ -403,25 +403,16 @@ impl crate::fence::FenceStore for JournaledStore {
     ) -> Result<(), crate::fence::FenceError> {
         self.decide(partition, token)
     }
-    async fn write(
+    async fn apply(
         &self,
         partition: PartitionId,
         token: FencingToken,
-        _key: &[u8],
-        _value: &[u8],
+        _batch: &crate::fence::FenceBatch,
     ) -> Result<(), crate::fence::FenceError> {
         self.decide(partition, token)
     }
     async fn read(&self, _: PartitionId, _: &[u8]) -> Result<Option<Vec<u8>>, crate::fence::FenceError> {
         Ok(None)
-    }
-    async fn save_checkpoint(
-        &self,
-        partition: PartitionId,
-        token: FencingToken,
-        _checkpoint: &[u8],
-    ) -> Result<(), crate::fence::FenceError> {
-        self.decide(partition, token)
     }
     async fn checkpoint(
         &self,

@@ -6,12 +6,12 @@
 //! server adds no state and no retries. A call that fails in transit is reported to the worker
 //! as a backend error, and the worker records no operation for it.
 
-use crate::fence::{FenceError, FenceStore};
+use crate::fence::{BatchOp, FenceBatch, FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId};
 use crate::proto::harness::fence_call::Op;
 use crate::proto::harness::fenced_store_client::FencedStoreClient;
 use crate::proto::harness::fenced_store_server::{FencedStore, FencedStoreServer};
-use crate::proto::harness::{FenceAnswer, FenceCall};
+use crate::proto::harness::{BatchChange, FenceAnswer, FenceCall};
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
@@ -37,6 +37,7 @@ impl<S: FenceStore + 'static> FencedStore for StoreService<S> {
             Op::Read => store.read(p, &call.key).await,
             Op::SaveCheckpoint => store.save_checkpoint(p, t, &call.value).await.map(|()| None),
             Op::Checkpoint => store.checkpoint(p, t).await,
+            Op::Apply => store.apply(p, t, &batch_of(&call)).await.map(|()| None),
             Op::Highest => {
                 let highest = store.highest(p).await.map_err(|e| Status::internal(e.to_string()))?;
                 return Ok(Response::new(FenceAnswer {
@@ -57,6 +58,21 @@ impl<S: FenceStore + 'static> FencedStore for StoreService<S> {
             Err(FenceError::Backend(message)) => Err(Status::internal(message)),
         }
     }
+}
+
+/// The batch a call carries, rebuilt in its order.
+fn batch_of(call: &FenceCall) -> FenceBatch {
+    let mut batch = FenceBatch::new();
+    for change in &call.batch {
+        match &change.value {
+            Some(value) => batch.put(&change.key, value),
+            None => batch.delete(&change.key),
+        };
+    }
+    if let Some(checkpoint) = &call.batch_checkpoint {
+        batch.checkpoint(checkpoint);
+    }
+    batch
 }
 
 /// Serves `store` on `listener` until `shutdown` fires.
@@ -121,7 +137,18 @@ impl RemoteStore {
             token: token.0,
             key: key.to_vec(),
             value: value.to_vec(),
+            ..Default::default()
         };
+        self.send(call, partition, token).await
+    }
+
+    /// Sends one call and reads a refusal as [`FenceError::Stale`].
+    async fn send(
+        &self,
+        call: FenceCall,
+        partition: PartitionId,
+        token: FencingToken,
+    ) -> Result<FenceAnswer, FenceError> {
         let answer = self
             .client
             .clone()
@@ -142,27 +169,36 @@ impl FenceStore for RemoteStore {
         self.call(Op::Raise, partition, token, b"", b"").await.map(drop)
     }
 
-    async fn write(
+    async fn apply(
         &self,
         partition: PartitionId,
         token: FencingToken,
-        key: &[u8],
-        value: &[u8],
+        batch: &FenceBatch,
     ) -> Result<(), FenceError> {
-        self.call(Op::Write, partition, token, key, value).await.map(drop)
+        if batch.size_bytes() > MAX_CALL_BYTES {
+            return Err(FenceError::Backend(format!("a batch over {MAX_CALL_BYTES} bytes")));
+        }
+        let changes = batch
+            .ops()
+            .iter()
+            .map(|op| match op {
+                BatchOp::Put { key, value } => BatchChange { key: key.clone(), value: Some(value.clone()) },
+                BatchOp::Delete { key } => BatchChange { key: key.clone(), value: None },
+            })
+            .collect();
+        let call = FenceCall {
+            op: Op::Apply as i32,
+            partition: partition.0,
+            token: token.0,
+            batch: changes,
+            batch_checkpoint: batch.new_checkpoint().map(<[u8]>::to_vec),
+            ..Default::default()
+        };
+        self.send(call, partition, token).await.map(drop)
     }
 
     async fn read(&self, partition: PartitionId, key: &[u8]) -> Result<Option<Vec<u8>>, FenceError> {
         Ok(self.call(Op::Read, partition, FencingToken(0), key, b"").await?.value)
-    }
-
-    async fn save_checkpoint(
-        &self,
-        partition: PartitionId,
-        token: FencingToken,
-        checkpoint: &[u8],
-    ) -> Result<(), FenceError> {
-        self.call(Op::SaveCheckpoint, partition, token, b"", checkpoint).await.map(drop)
     }
 
     async fn checkpoint(

@@ -12,7 +12,7 @@ use super::Clock;
 use crate::fence::{FenceError, FenceStore};
 use crate::history::{WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
-use crate::worker::{PartitionHandle, Worker, WorkerConfig, WorkerEvent};
+use crate::worker::{Events, Fenced, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -186,8 +186,9 @@ pub(crate) struct SlotTask<S> {
     clock: Clock,
     interval: Duration,
     worker: Option<Worker>,
-    events: mpsc::UnboundedReceiver<WorkerEvent>,
-    handles: BTreeMap<PartitionId, PartitionHandle>,
+    events: Events,
+    /// The partitions this slot acquired, each with its fence raised in the run's store.
+    handles: BTreeMap<PartitionId, Fenced<Arc<S>>>,
     view: View,
     writes: u64,
     /// Actions sent to a worker process (on its standard input).
@@ -212,7 +213,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
             clock,
             interval,
             worker: None,
-            events: mpsc::unbounded_channel().1,
+            events: Events::closed(),
             handles: BTreeMap::new(),
             view: View::default(),
             writes: 0,
@@ -238,7 +239,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     pub(crate) async fn act(&mut self, action: Action) {
         self.follow_events().await;
         let Some(worker) = self.worker.take() else { return };
-        let given_up: Vec<PartitionHandle> = match action {
+        let given_up: Vec<Fenced<Arc<S>>> = match action {
             Action::Release => {
                 self.handles.values().find(|h| Self::belief(h).is_some()).cloned().into_iter().collect()
             }
@@ -252,7 +253,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
         let linger = (self.interval * 10).max(Duration::from_millis(200));
         match action {
             Action::Release => {
-                let partitions: Vec<PartitionId> = given_up.iter().map(PartitionHandle::partition).collect();
+                let partitions: Vec<PartitionId> = given_up.iter().map(Fenced::partition).collect();
                 if !partitions.is_empty() {
                     let release = worker.release(&partitions);
                     tokio::pin!(release);
@@ -292,7 +293,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     /// until `done` finishes; returns its output.
     async fn write_while_believed<F: std::future::Future + Unpin>(
         &mut self,
-        handles: &[PartitionHandle],
+        handles: &[Fenced<Arc<S>>],
         done: &mut F,
     ) -> F::Output {
         loop {
@@ -345,7 +346,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
                 return Err(format!("{} could not join again", self.name));
             }
             let checked_at = self.clock.now_ns();
-            let checked: Vec<(PartitionHandle, Instant)> =
+            let checked: Vec<(Fenced<Arc<S>>, Instant)> =
                 self.handles.values().filter_map(|h| Self::belief(h).map(|b| (h.clone(), b))).collect();
             self.publish();
             tokio::time::sleep(self.interval).await;
@@ -385,7 +386,17 @@ impl<S: FenceStore + 'static> SlotTask<S> {
         }
     }
 
-    fn record(&self, h: &PartitionHandle, op: WorkerOp, start_ns: u64, believed_until: Option<Instant>) {
+    fn record(&self, h: &Fenced<Arc<S>>, op: WorkerOp, start_ns: u64, believed_until: Option<Instant>) {
+        self.record_handle(h.handle(), op, start_ns, believed_until)
+    }
+
+    fn record_handle(
+        &self,
+        h: &PartitionHandle,
+        op: WorkerOp,
+        start_ns: u64,
+        believed_until: Option<Instant>,
+    ) {
         let session = self.view.session.unwrap_or(SessionId(0));
         self.sink.record(WorkerRecord {
             worker: self.name.clone(),
@@ -400,22 +411,26 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     }
 
     /// The lease the worker believes in right now, if it is still running.
-    fn belief(h: &PartitionHandle) -> Option<Instant> {
+    fn belief(h: &Fenced<Arc<S>>) -> Option<Instant> {
+        let h = h.handle();
         h.valid_until().filter(|until| *until > Instant::now() && h.is_valid())
     }
 
     async fn follow_events(&mut self) {
-        while let Ok(event) = self.events.try_recv() {
+        while let Some(event) = self.events.try_recv() {
             match event {
-                WorkerEvent::Assigned(h) => {
-                    let (start, belief) = (self.clock.now_ns(), Self::belief(&h));
+                WorkerEvent::Granted(h) => {
+                    let start = self.clock.now_ns();
+                    let belief = h.valid_until().filter(|until| *until > Instant::now() && h.is_valid());
                     // Fence before resume: raise the fence, then read the checkpoint.
-                    match h.acquire(&*self.store).await {
-                        Ok(_) => {
-                            self.record(&h, WorkerOp::Acquired, start, belief);
-                            self.handles.insert(h.partition(), h);
+                    match h.acquire(self.store.clone()).await {
+                        Ok(fenced) => {
+                            self.record(&fenced, WorkerOp::Acquired, start, belief);
+                            self.handles.insert(h.partition(), fenced);
                         }
-                        Err(FenceError::Stale { .. }) => self.record(&h, WorkerOp::Refused, start, belief),
+                        Err(FenceError::Stale { .. }) => {
+                            self.record_handle(&h, WorkerOp::Refused, start, belief)
+                        }
                         Err(e) => tracing::warn!(error = %e, "store failed"),
                     }
                 }
@@ -455,23 +470,23 @@ impl<S: FenceStore + 'static> SlotTask<S> {
     }
 
     async fn write_round(&mut self) {
-        let handles: Vec<PartitionHandle> = self.handles.values().cloned().collect();
+        let handles: Vec<Fenced<Arc<S>>> = self.handles.values().cloned().collect();
         for h in handles {
             let Some(belief) = Self::belief(&h) else { continue };
             self.write(&h, Some(belief)).await;
         }
     }
 
-    async fn write(&mut self, h: &PartitionHandle, belief: Option<Instant>) {
+    async fn write(&mut self, h: &Fenced<Arc<S>>, belief: Option<Instant>) {
         let start = self.clock.now_ns();
         self.write_from(start, h, belief).await;
     }
 
     /// One write, recorded as an operation that began at `start` (on the run's clock).
-    async fn write_from(&mut self, start: u64, h: &PartitionHandle, belief: Option<Instant>) {
+    async fn write_from(&mut self, start: u64, h: &Fenced<Arc<S>>, belief: Option<Instant>) {
         self.writes += 1;
         let value = format!("{}:{}:{}", self.name, h.token(), self.writes);
-        match h.write(&*self.store, b"k", value.as_bytes()).await {
+        match h.write(b"k", value.as_bytes()).await {
             Ok(()) => self.record(h, WorkerOp::Wrote, start, belief),
             Err(FenceError::Stale { .. }) => {
                 self.record(h, WorkerOp::Refused, start, belief);
@@ -503,7 +518,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
         self.vanish();
         tokio::time::sleep(pause).await;
         // Awake, with the tokens it had: one write each, without a look at the lease.
-        let held: Vec<PartitionHandle> = std::mem::take(&mut self.handles).into_values().collect();
+        let held: Vec<Fenced<Arc<S>>> = std::mem::take(&mut self.handles).into_values().collect();
         for h in &held {
             self.write(h, None).await;
         }
@@ -529,7 +544,7 @@ impl<S: FenceStore + 'static> SlotTask<S> {
         loop {
             match Worker::join(self.config.clone()).await {
                 Ok(mut worker) => {
-                    self.events = worker.events();
+                    self.events = worker.events().unwrap_or_else(Events::closed);
                     self.view.session = Some(worker.session());
                     self.sink.view(&self.view);
                     self.worker = Some(worker);
