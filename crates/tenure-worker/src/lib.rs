@@ -44,6 +44,7 @@ mod events;
 mod handle;
 mod heartbeat;
 mod router;
+mod runner;
 mod shared;
 mod watch;
 
@@ -53,6 +54,7 @@ pub use config::WorkerConfig;
 pub use events::{Events, SessionEnd, WorkerEvent};
 pub use handle::{Fenced, PartitionHandle};
 pub use router::{Route, Router};
+pub use runner::{Assignment, RunReport, Runner};
 pub use transport::ClientTls;
 
 use crate::ids::{FencingToken, PartitionId, SessionId};
