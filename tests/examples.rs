@@ -89,3 +89,17 @@ fn invoices_duplicates_with_a_plain_lock_and_none_with_all_three_layers() {
         }
     }
 }
+
+#[test]
+fn tenure_run_gives_a_shell_job_a_token_and_the_fence_refuses_a_frozen_child() {
+    let tenure = env!("CARGO_BIN_EXE_tenure");
+    let out = run_for(
+        "tenure_run",
+        &["--tenure", tenure, "--postgres", &postgres()],
+        std::time::Duration::from_secs(120),
+    );
+    assert!(out.contains("[alpha] REFUSED partition=0 token="), "{out}");
+    assert!(out.contains("fence held: partition 0"), "{out}");
+    // Both runners stopped their children on SIGTERM and left cleanly.
+    assert_eq!(out.matches("STOPPED sessions=").count(), 2, "{out}");
+}

@@ -17,7 +17,7 @@
 
 use crate::fence::{FenceError, FenceStore};
 use crate::ids::{FencingToken, PartitionId};
-use crate::keyspace::HashRange;
+use crate::keyspace::{HashRange, KeySpace};
 use crate::{ClientError, Fenced, PartitionHandle, SessionEnd, Worker, WorkerConfig, WorkerEvent};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Display;
@@ -39,6 +39,8 @@ use tokio_util::sync::CancellationToken;
 pub struct Assignment {
     handle: PartitionHandle,
     stop: CancellationToken,
+    lease_ttl: Duration,
+    keyspace: KeySpace,
 }
 
 impl Assignment {
@@ -57,6 +59,16 @@ impl Assignment {
 
     pub fn handle(&self) -> &PartitionHandle {
         &self.handle
+    }
+
+    /// The cluster's lease TTL: how long a lease lasts between renewals.
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+
+    /// The cluster's key space, which maps keys to partitions.
+    pub fn keyspace(&self) -> KeySpace {
+        self.keyspace
     }
 
     /// Resolves when the task should stop: the partition is being revoked (finish or
@@ -428,7 +440,12 @@ where
     fn start(&mut self, handle: PartitionHandle) {
         let partition = handle.partition();
         let stop = handle.cancellation().child_token();
-        let assignment = Assignment { handle: handle.clone(), stop: stop.clone() };
+        let assignment = Assignment {
+            handle: handle.clone(),
+            stop: stop.clone(),
+            lease_ttl: self.worker.lease_ttl(),
+            keyspace: self.worker.keyspace(),
+        };
         let work = supervise(self.handler.clone(), assignment, self.restart, self.failures.clone());
         let abort = self.tasks.spawn(work);
         let task = abort.id();

@@ -3,6 +3,7 @@
 
 mod ctl;
 mod demo;
+mod run;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -45,6 +46,10 @@ enum Command {
     /// Run a worker that writes a counter per owned partition into a PostgreSQL-fenced store,
     /// printing ACCEPT / REJECT / LOST lines (used by the process fault tests).
     Work(WorkArgs),
+    /// Run a command once per owned partition, its grant and fencing token in its environment
+    /// (TENURE_PARTITION, TENURE_TOKEN, ...): SIGTERM on revoke, SIGKILL after the drain bound
+    /// or on loss, released once it exited.
+    Run(run::RunArgs),
     /// A worker process of a nemesis run (started by `tenure nemesis`; prints JSON lines).
     #[command(hide = true)]
     NemesisWorker(NemesisWorkerArgs),
@@ -397,6 +402,7 @@ async fn main() -> Result<()> {
         Command::Simulate(args) => simulate(args),
         Command::SimulateStack(args) => simulate_stack(args),
         Command::Work(args) => work(args).await,
+        Command::Run(args) => run::run(args).await,
         Command::NemesisWorker(args) => {
             let args = tenure::nemesis::WorkerProcessArgs {
                 coordinators: args.coordinators,
