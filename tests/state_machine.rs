@@ -3,7 +3,7 @@
 
 use tenure::ids::{FencingToken, PartitionId, SessionId};
 use tenure::ownership::{
-    Command, Config, Event, Grant, LossReason, OwnershipState, Rejection, Response, Revoke, SecretHash,
+    Command, Config, Event, Grant, LostReason, OwnershipState, Rejection, Response, Revoke, SecretHash,
 };
 use tenure::planner::{self, Rules};
 
@@ -156,7 +156,7 @@ fn an_expired_session_loses_its_partitions_and_they_are_granted_again() {
     let (r, events) = s.commit(Command::Expire { sessions: vec![w2] });
     assert_eq!(r, Response::Expired { partitions: 3 });
     assert!(events.contains(&Event::SessionEnded { session: w2 }));
-    assert!(events.iter().any(|e| matches!(e, Event::Lost { reason: LossReason::SessionExpired, .. })));
+    assert!(events.iter().any(|e| matches!(e, Event::Lost { reason: LostReason::SessionExpired, .. })));
     assert_eq!(s.owned(w1).len(), 6, "the survivor takes everything");
     for p in lost_partitions {
         assert_eq!(s.token(p), FencingToken(s.index));
@@ -180,7 +180,7 @@ fn a_revoke_that_is_never_released_expires_and_is_granted() {
     let (_, events) = s.commit(Command::ExpireRevoking {
         partitions: revoking.iter().map(|p| (*p, w1, s.token(p.0))).collect(),
     });
-    assert!(events.iter().any(|e| matches!(e, Event::Lost { reason: LossReason::RevokeExpired, .. })));
+    assert!(events.iter().any(|e| matches!(e, Event::Lost { reason: LostReason::RevokeExpired, .. })));
     assert_eq!(s.owned(w2).len(), 2);
     assert_eq!(s.owned(w1).len(), 2);
     assert!(s.revoking(w1).is_empty());
@@ -377,7 +377,7 @@ fn an_expiry_of_an_older_revoke_leaves_a_newer_revoke_of_the_same_partition_alon
         partition: PartitionId(0),
         session: s1,
         token: FencingToken(7),
-        reason: LossReason::RevokeExpired
+        reason: LostReason::RevokeExpired
     }));
 }
 

@@ -93,6 +93,10 @@ impl ClientError {
 
 /// Connection to a cluster. Cheap to clone; clones share the leader hint.
 ///
+/// This is the wire-level client, for operators' tools and tests: it speaks the generated gRPC
+/// types of [`crate::proto`] directly. An application needs none of them: [`crate::Worker`],
+/// [`crate::Runner`], their events and handles, and [`crate::Router`] carry tenure's own types.
+///
 /// ```no_run
 /// # async fn example() -> Result<(), tenure_worker::ClientError> {
 /// use tenure_worker::proto::StatusRequest;

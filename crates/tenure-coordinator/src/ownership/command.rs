@@ -140,7 +140,7 @@ pub enum Rejection {
 
 /// Why an owner lost a partition without releasing it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum LossReason {
+pub enum LostReason {
     /// The session's lease ran out.
     SessionExpired,
     /// The partition was revoking and its lease ran out before the owner released it.
@@ -188,7 +188,7 @@ pub enum Event {
         partition: PartitionId,
         session: SessionId,
         token: FencingToken,
-        reason: LossReason,
+        reason: LostReason,
     },
     /// Maintenance mode turned on or off.
     MaintenanceChanged {

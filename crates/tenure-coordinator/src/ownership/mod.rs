@@ -37,7 +37,7 @@ mod command;
 mod secret;
 mod state;
 
-pub use command::{Command, Event, Grant, LossReason, Rejection, Response, Revoke};
+pub use command::{Command, Event, Grant, LostReason, Rejection, Response, Revoke};
 pub use secret::SecretHash;
 pub use state::{
     check_join, Changes, Config, OwnershipState, PartitionRecord, SessionRecord, Settings, MAX_NAME_BYTES,

@@ -1,6 +1,6 @@
 //! The ownership table and the pure `apply` that changes it.
 
-use super::command::{Command, Event, Grant, LossReason, Rejection, Response, Revoke};
+use super::command::{Command, Event, Grant, LostReason, Rejection, Response, Revoke};
 use super::secret::SecretHash;
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::KeySpace;
@@ -319,7 +319,7 @@ impl OwnershipState {
                     if !self.sessions.contains_key(&session) {
                         continue;
                     }
-                    lost += self.lose_all(index, session, LossReason::SessionExpired, events);
+                    lost += self.lose_all(index, session, LostReason::SessionExpired, events);
                     self.end_session(session, events);
                 }
                 Ok(Response::Expired { partitions: lost })
@@ -337,7 +337,7 @@ impl OwnershipState {
                             partition: p,
                             session,
                             token: record.token,
-                            reason: LossReason::RevokeExpired,
+                            reason: LostReason::RevokeExpired,
                         });
                         self.hand_over(index, p, record, events);
                         self.end_if_idle(session, events);
@@ -601,7 +601,7 @@ impl OwnershipState {
         &mut self,
         index: u64,
         session: SessionId,
-        reason: LossReason,
+        reason: LostReason,
         events: &mut Vec<Event>,
     ) -> u32 {
         let mine: Vec<u32> = self.owned.get(&session).into_iter().flatten().copied().collect();
