@@ -9,12 +9,13 @@
 
 use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tenure::fence::{FenceStore, MemoryFence};
 use tenure::ids::{FencingToken, PartitionId};
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{PartitionHandle, Worker, WorkerEvent};
+use tenure::worker::{Fenced, PartitionHandle, Runner, Worker, WorkerEvent};
+use tokio::sync::oneshot;
 
 const TTL: Duration = Duration::from_millis(1000);
 const KEY: &[u8] = b"account-42";
@@ -23,23 +24,42 @@ const KEY: &[u8] = b"account-42";
 #[derive(Default)]
 struct Unfenced(Mutex<HashMap<Vec<u8>, Vec<u8>>>);
 
+/// What a worker writes with: the naive store and its token, or the only value that can write
+/// for the partition in the fenced store, made by raising the fence.
+enum Pen {
+    Unfenced(FencingToken),
+    Fenced(Fenced<Arc<MemoryFence>>),
+}
+
+impl Pen {
+    async fn new(story: &Story, handle: &PartitionHandle) -> Result<Pen> {
+        Ok(match story.fencing {
+            true => Pen::Fenced(handle.acquire(story.fenced.clone()).await?), // fence before resume
+            false => Pen::Unfenced(handle.token()),
+        })
+    }
+}
+
 struct Story {
     start: Instant,
     fencing: bool,
     unfenced: Unfenced,
-    fenced: MemoryFence,
+    fenced: Arc<MemoryFence>,
 }
 
 impl Story {
-    async fn write(&self, who: &str, handle: &PartitionHandle, value: &str) -> Result<()> {
+    async fn write(&self, who: &str, pen: &Pen, value: &str) -> Result<()> {
         let t = self.start.elapsed().as_secs_f64();
-        let token = handle.token();
-        if !self.fencing {
-            self.unfenced.0.lock().unwrap().insert(KEY.to_vec(), value.as_bytes().to_vec());
-            println!("t={t:5.2}s ACCEPT {who} token={token} value={value}");
-            return Ok(());
-        }
-        match self.fenced.write(handle.partition(), token, KEY, value.as_bytes()).await {
+        let fenced = match pen {
+            Pen::Unfenced(token) => {
+                self.unfenced.0.lock().unwrap().insert(KEY.to_vec(), value.as_bytes().to_vec());
+                println!("t={t:5.2}s ACCEPT {who} token={token} value={value}");
+                return Ok(());
+            }
+            Pen::Fenced(fenced) => fenced,
+        };
+        let token = fenced.token();
+        match fenced.write(KEY, value.as_bytes()).await {
             Ok(()) => println!("t={t:5.2}s ACCEPT {who} token={token} value={value}"),
             Err(tenure::fence::FenceError::Stale { highest, .. }) => {
                 println!("t={t:5.2}s REJECT {who} token={token} value={value} (highest seen {highest})")
@@ -81,43 +101,62 @@ async fn run(fencing: bool) -> Result<String> {
     })
     .await?;
     cluster.wait_for_leader(Duration::from_secs(10)).await.context("no leader")?;
-    let story = Story {
+    let story = Arc::new(Story {
         start: Instant::now(),
         fencing,
         unfenced: Unfenced::default(),
-        fenced: MemoryFence::default(),
-    };
+        fenced: Arc::new(MemoryFence::default()),
+    });
 
+    // A is the naive program: it holds on to what it was given and never looks again.
     let mut a = Worker::join(cluster.worker_config("A")).await?;
     let a_handle = first_assignment(&mut a).await?;
-    if fencing {
-        a_handle.acquire(&story.fenced).await?;
-    }
-    story.write("A", &a_handle, "batch-1").await?;
+    let a_pen = Pen::new(&story, &a_handle).await?;
+    story.write("A", &a_pen, "batch-1").await?;
 
     let paused = Instant::now();
-    a.abandon(); // A freezes: no more heartbeats, but its code still holds the handle.
+    a.abandon(); // A freezes: no more heartbeats, but its code still holds its pen.
     println!(
         "t={:5.2}s A pauses (stop-the-world), holding token={}",
         story.start.elapsed().as_secs_f64(),
         a_handle.token()
     );
 
-    let mut b = Worker::join(cluster.worker_config("B")).await?;
-    let b_handle = first_assignment(&mut b).await?;
-    println!(
-        "t={:5.2}s B granted the partition with token={} ({:.2}s after A paused)",
-        story.start.elapsed().as_secs_f64(),
-        b_handle.token(),
-        paused.elapsed().as_secs_f64()
-    );
-    if fencing {
-        b_handle.acquire(&story.fenced).await?; // fence before resume
-    }
-    story.write("B", &b_handle, "batch-2").await?;
+    // B is written the way the library means: a runner, one task per partition.
+    let (wrote, b_wrote) = oneshot::channel::<()>();
+    let wrote = Arc::new(Mutex::new(Some(wrote)));
+    let (stop_b, b_stopped) = oneshot::channel::<()>();
+    let b = {
+        let (story, wrote) = (story.clone(), wrote.clone());
+        let runner = Runner::new(cluster.worker_config("B"));
+        tokio::spawn(runner.run(
+            move |assignment| {
+                let (story, wrote) = (story.clone(), wrote.clone());
+                async move {
+                    println!(
+                        "t={:5.2}s B granted the partition with token={} ({:.2}s after A paused)",
+                        story.start.elapsed().as_secs_f64(),
+                        assignment.token(),
+                        paused.elapsed().as_secs_f64()
+                    );
+                    let pen = Pen::new(&story, assignment.handle()).await?;
+                    story.write("B", &pen, "batch-2").await?;
+                    if let Some(wrote) = wrote.lock().unwrap().take() {
+                        let _ = wrote.send(());
+                    }
+                    assignment.stopped().await;
+                    Ok::<(), anyhow::Error>(())
+                }
+            },
+            async {
+                let _ = b_stopped.await;
+            },
+        ))
+    };
+    tokio::time::timeout(Duration::from_secs(30), b_wrote).await.context("B never wrote")??;
 
     println!("t={:5.2}s A wakes up and carries on", story.start.elapsed().as_secs_f64());
-    story.write("A", &a_handle, "batch-1-late").await?;
+    story.write("A", &a_pen, "batch-1-late").await?;
 
     let value = story.value().await?;
     println!("final value: {value}");
@@ -126,7 +165,8 @@ async fn run(fencing: bool) -> Result<String> {
         println!("highest token seen by the store: {}", highest.unwrap_or(FencingToken(0)));
     }
     println!();
-    b.leave().await?;
+    let _ = stop_b.send(());
+    b.await??;
     cluster.shutdown().await;
     Ok(value)
 }
