@@ -21,3 +21,8 @@ pub use tenure_testkit::{
 };
 pub use tenure_worker as worker;
 pub use tenure_worker::transport;
+
+/// The README's code is compiled as a doc test, so the library section cannot drift from the API.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeCode;

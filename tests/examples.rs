@@ -103,3 +103,10 @@ fn tenure_run_gives_a_shell_job_a_token_and_the_fence_refuses_a_frozen_child() {
     // Both runners stopped their children on SIGTERM and left cleanly.
     assert_eq!(out.matches("STOPPED sessions=").count(), 2, "{out}");
 }
+
+#[test]
+fn an_object_store_fence_built_on_conditional_writes_passes_the_fence_kit() {
+    let out = run_for("object_store_fence", &[], std::time::Duration::from_secs(60));
+    assert!(out.contains("9 cases passed on the object-store fence"), "{out}");
+    assert!(out.contains("pass fences_data_and_checkpoints_survive_a_restart"), "{out}");
+}

@@ -67,7 +67,7 @@ pub struct Failure {
 /// Writers and rounds in the concurrent cases: enough to interleave on two cores, few enough to
 /// run in well under a second on a synced disk store.
 const WRITERS: u64 = 6;
-const ROUNDS: u64 = 25;
+const ROUNDS: u64 = 100;
 
 /// Runs every case, each on a fresh store; returns the names of the cases that ran (a skipped
 /// durability case is not among them) or the first failure.
@@ -248,21 +248,34 @@ async fn a_raise_orders_every_older_write_before_the_new_owners_read<B: Backend>
 
 /// Writers with tokens 1..=WRITERS each write a batch of two keys holding the same value, over
 /// and over at once. The check and the batch are one step, so the keys always agree; once a
-/// writer is refused it is never admitted again; and the highest token's writes are last.
+/// writer is refused it is never admitted again; no write is admitted under a token lower than
+/// one whose write had already been admitted before it began (a store whose check and write
+/// are two steps lets a slow writer put the fence back, and then lower tokens through); and
+/// the highest token's writes are last.
 async fn a_batch_is_all_or_nothing_under_concurrent_writers<B: Backend>(_: &B, s: B::Store) -> Outcome {
     let p = P(10);
     let s = Arc::new(s);
+    let admitted_before = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut writers = Vec::new();
     for token in 1..=WRITERS {
-        let s = s.clone();
+        let (s, admitted_before) = (s.clone(), admitted_before.clone());
         writers.push(tokio::spawn(async move {
             let mut outcomes = Vec::new();
             for round in 0..ROUNDS {
                 let value = format!("{token}:{round}");
                 let mut batch = FenceBatch::new();
                 batch.put(b"a", value.as_bytes()).put(b"b", value.as_bytes());
+                let floor = admitted_before.load(std::sync::atomic::Ordering::SeqCst);
                 match s.apply(p, T(token), &batch).await {
-                    Ok(()) => outcomes.push(true),
+                    Ok(()) if token < floor => {
+                        return Err(format!(
+                            "writer {token} was admitted after token {floor} had been: the fence went back"
+                        ))
+                    }
+                    Ok(()) => {
+                        admitted_before.fetch_max(token, std::sync::atomic::Ordering::SeqCst);
+                        outcomes.push(true)
+                    }
                     Err(FenceError::Stale { .. }) => outcomes.push(false),
                     Err(e) => return Err(format!("writer {token}: {e}")),
                 }
@@ -288,6 +301,8 @@ async fn a_batch_is_all_or_nothing_under_concurrent_writers<B: Backend>(_: &B, s
     expect(a == b, || format!("a batch was applied in part: a={a:?} b={b:?}"))?;
     let last = format!("{WRITERS}:{}", ROUNDS - 1);
     expect(a.as_deref() == Some(last.as_bytes()), || format!("the last write is {a:?}, want {last}"))?;
+    let highest = ok(s.highest(p).await, "highest")?;
+    expect(highest == Some(T(WRITERS)), || format!("the fence ended at {highest:?}, want {WRITERS}"))?;
     Ok(true)
 }
 
