@@ -19,21 +19,23 @@
 //! Lease checks alone leave the one invoice that was in flight during the pause; fencing or the
 //! unique key alone already close the gap; all three give zero.
 //!
-//! Run against RocksDB in a temporary directory: `cargo run --example invoices`
-//! or against PostgreSQL: `cargo run --example invoices -- --postgres "host=127.0.0.1 user=postgres password=tenure dbname=tenure_test"`
-//! (the example works in a schema of its own, `tenure_invoices_<pid>`, made afresh for every run
-//! and dropped at the end).
+//! The fenced writes go through `Fenced`, the value `PartitionHandle::acquire` returns once the
+//! fence is raised: the invoice, the progress and the fence check are one PostgreSQL transaction.
+//!
+//! Run: `cargo run --example invoices` (against the server `scripts/setup` starts; `--postgres
+//! CONNINFO` names another). The example works in a schema of its own, `tenure_invoices_<pid>`,
+//! made afresh for every run and dropped at the end.
 
 use anyhow::{bail, Context, Result};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tenure::fence::{admits, FenceError, PostgresFence};
+use tenure::fence::{FenceError, PostgresFence};
 use tenure::ids::{FencingToken, PartitionId};
 use tenure::keyspace::KeySpace;
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{Events, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
+use tenure::worker::{Events, Fenced, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
 
 use tokio_util::sync::CancellationToken;
 
@@ -62,82 +64,74 @@ enum Billed {
     AlreadyBilled,
 }
 
-/// Where invoices go: PostgreSQL when a server is given, else RocksDB.
-enum Ledger {
-    Postgres { fence: Box<PostgresFence>, plain: tokio::sync::Mutex<tokio_postgres::Client> },
-    Rocks(Arc<RocksLedger>),
-}
-
-fn backend(e: impl std::fmt::Display) -> FenceError {
-    FenceError::Backend(e.to_string())
+/// Where invoices go: a fenced store for the owners that fence, and a plain connection to the
+/// same database for those that do not (and for the tally).
+struct Ledger {
+    fence: Arc<PostgresFence>,
+    plain: tokio::sync::Mutex<tokio_postgres::Client>,
 }
 
 fn pg_error(e: tokio_postgres::Error) -> FenceError {
     match e.as_db_error() {
         Some(db) => FenceError::Backend(format!("{}: {}", db.code().code(), db.message())),
-        None => backend(e),
+        None => FenceError::Backend(e.to_string()),
     }
 }
 
 impl Ledger {
-    /// Where a new owner resumes: the last customer billed in the partition. With fencing, the
-    /// fence is raised in the same transaction first, so no older owner can move it afterwards.
-    async fn resume(
-        &self,
-        p: PartitionId,
-        token: FencingToken,
-        fencing: bool,
-    ) -> Result<Option<u32>, FenceError> {
-        match self {
-            Ledger::Postgres { fence, plain } => {
-                if fencing {
-                    fence.transaction(p, token, |tx| Box::pin(pg_progress(tx, p))).await
-                } else {
-                    let mut client = plain.lock().await;
-                    let tx = client.transaction().await.map_err(pg_error)?;
-                    pg_progress(&tx, p).await
-                }
+    /// Where a new owner resumes: the last customer billed in the partition; under the fence
+    /// when there is one, so no older owner can move it afterwards.
+    async fn resume(&self, p: PartitionId, pen: &Pen) -> Result<Option<u32>, FenceError> {
+        match pen {
+            Pen::Fenced(fenced) => fenced.transaction(|tx| Box::pin(pg_progress(tx, p))).await,
+            Pen::Unfenced => {
+                let mut client = self.plain.lock().await;
+                let tx = client.transaction().await.map_err(pg_error)?;
+                pg_progress(&tx, p).await
             }
-            Ledger::Rocks(db) => db.resume(p, token, fencing),
         }
     }
 
-    /// Writes one invoice and the partition's progress in one atomic step.
-    async fn bill(&self, p: PartitionId, invoice: Invoice, layers: Layers) -> Result<Billed, FenceError> {
-        match self {
-            Ledger::Postgres { fence, plain } => {
-                if layers.fencing {
-                    let token = invoice.token;
-                    fence.transaction(p, token, move |tx| Box::pin(pg_bill(tx, p, invoice, layers))).await
-                } else {
-                    let mut client = plain.lock().await;
-                    let tx = client.transaction().await.map_err(pg_error)?;
-                    let billed = pg_bill(&tx, p, invoice, layers).await?;
-                    tx.commit().await.map_err(pg_error)?;
-                    Ok(billed)
-                }
+    /// Writes one invoice and the partition's progress in one transaction (with the fence check
+    /// when there is one).
+    async fn bill(
+        &self,
+        p: PartitionId,
+        pen: &Pen,
+        invoice: Invoice,
+        layers: Layers,
+    ) -> Result<Billed, FenceError> {
+        match pen {
+            Pen::Fenced(fenced) => {
+                fenced.transaction(move |tx| Box::pin(pg_bill(tx, p, invoice, layers))).await
             }
-            Ledger::Rocks(db) => db.bill(p, &invoice, layers),
+            Pen::Unfenced => {
+                let mut client = self.plain.lock().await;
+                let tx = client.transaction().await.map_err(pg_error)?;
+                let billed = pg_bill(&tx, p, invoice, layers).await?;
+                tx.commit().await.map_err(pg_error)?;
+                Ok(billed)
+            }
         }
     }
 
     /// (invoices written, distinct customers invoiced for the month).
     async fn tally(&self) -> Result<(u64, u64)> {
-        match self {
-            Ledger::Postgres { plain, .. } => {
-                let row = plain
-                    .lock()
-                    .await
-                    .query_one(
-                        "SELECT count(*), count(DISTINCT (customer_id, billing_period)) FROM invoices",
-                        &[],
-                    )
-                    .await?;
-                Ok((row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64))
-            }
-            Ledger::Rocks(db) => db.tally(),
-        }
+        let row = self
+            .plain
+            .lock()
+            .await
+            .query_one("SELECT count(*), count(DISTINCT (customer_id, billing_period)) FROM invoices", &[])
+            .await?;
+        Ok((row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64))
     }
+}
+
+/// How an owner writes: through the value that raising the fence returned, or, with fencing
+/// off, with nothing but its belief.
+enum Pen {
+    Fenced(Fenced<Arc<PostgresFence>>),
+    Unfenced,
 }
 
 #[derive(Clone, Debug)]
@@ -235,107 +229,7 @@ async fn pg_ledger(config: &str) -> Result<Ledger> {
     let fence = PostgresFence::connect(config).await?;
     let (plain, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls).await?;
     tokio::spawn(connection);
-    Ok(Ledger::Postgres { fence: Box::new(fence), plain: tokio::sync::Mutex::new(plain) })
-}
-
-/// Invoices in RocksDB: the fence, the invoice and the progress go in one synced write batch,
-/// decided under one lock (a std Mutex: nothing awaits while it is held).
-struct RocksLedger {
-    db: rocksdb::DB,
-    lock: Mutex<()>,
-    next_id: AtomicU64,
-}
-
-impl RocksLedger {
-    fn open(dir: &std::path::Path) -> Result<RocksLedger> {
-        let mut options = rocksdb::Options::default();
-        options.create_if_missing(true);
-        Ok(RocksLedger {
-            db: rocksdb::DB::open(&options, dir)?,
-            lock: Mutex::new(()),
-            next_id: AtomicU64::new(0),
-        })
-    }
-
-    fn get_u64(&self, key: String) -> Result<Option<u64>, FenceError> {
-        let raw = self.db.get(key.as_bytes()).map_err(backend)?;
-        Ok(raw.map(|v| u64::from_be_bytes(v.as_slice().try_into().unwrap_or_default())))
-    }
-
-    fn admit(
-        &self,
-        p: PartitionId,
-        token: FencingToken,
-        batch: &mut rocksdb::WriteBatch,
-    ) -> Result<(), FenceError> {
-        let highest = self.get_u64(format!("fence/{:08}", p.0))?.map(FencingToken);
-        if !admits(highest, token) {
-            return Err(FenceError::Stale { partition: p, token, highest: highest.unwrap_or_default() });
-        }
-        batch.put(format!("fence/{:08}", p.0), token.0.to_be_bytes());
-        Ok(())
-    }
-
-    /// Whether any key starts with `prefix`.
-    fn starts_with(&self, prefix: &[u8]) -> Result<bool, FenceError> {
-        let from = rocksdb::IteratorMode::From(prefix, rocksdb::Direction::Forward);
-        match self.db.iterator(from).next() {
-            Some(entry) => Ok(entry.map_err(backend)?.0.starts_with(prefix)),
-            None => Ok(false),
-        }
-    }
-
-    fn commit(&self, batch: rocksdb::WriteBatch) -> Result<(), FenceError> {
-        let mut sync = rocksdb::WriteOptions::default();
-        sync.set_sync(true);
-        self.db.write_opt(batch, &sync).map_err(backend)
-    }
-
-    fn resume(&self, p: PartitionId, token: FencingToken, fencing: bool) -> Result<Option<u32>, FenceError> {
-        let _guard = self.lock.lock().expect("ledger lock poisoned");
-        if fencing {
-            let mut batch = rocksdb::WriteBatch::default();
-            self.admit(p, token, &mut batch)?;
-            self.commit(batch)?;
-        }
-        Ok(self.get_u64(format!("progress/{:08}", p.0))?.map(|c| c as u32))
-    }
-
-    fn bill(&self, p: PartitionId, invoice: &Invoice, layers: Layers) -> Result<Billed, FenceError> {
-        let _guard = self.lock.lock().expect("ledger lock poisoned");
-        let mut batch = rocksdb::WriteBatch::default();
-        if layers.fencing {
-            self.admit(p, invoice.token, &mut batch)?;
-        }
-        let month = format!("invoice/{:08}/{PERIOD}/", invoice.customer);
-        let billed = if layers.unique_key && self.starts_with(month.as_bytes())? {
-            Billed::AlreadyBilled
-        } else {
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            let row = format!("{} {} {}", invoice.amount_cents, invoice.worker, invoice.token);
-            batch.put(format!("{month}{id:016}"), row);
-            Billed::Inserted
-        };
-        batch.put(format!("progress/{:08}", p.0), u64::from(invoice.customer).to_be_bytes());
-        self.commit(batch)?;
-        Ok(billed)
-    }
-
-    fn tally(&self) -> Result<(u64, u64)> {
-        let mut rows = 0;
-        let mut months = BTreeSet::new();
-        let from = rocksdb::IteratorMode::From(b"invoice/", rocksdb::Direction::Forward);
-        for entry in self.db.iterator(from) {
-            let (key, _) = entry?;
-            if !key.starts_with(b"invoice/") {
-                break;
-            }
-            rows += 1;
-            // invoice/<customer>/<period>/<id>: the month is everything before the id.
-            months.insert(key[..key.len() - 16].to_vec());
-        }
-        Ok((rows, months.len() as u64))
-    }
+    Ok(Ledger { fence: Arc::new(fence), plain: tokio::sync::Mutex::new(plain) })
 }
 
 /// What one worker did, counted.
@@ -467,8 +361,17 @@ impl Biller {
             run.say(format!("{} skips {p}: its lease is no longer valid", self.name));
             return Ok(());
         }
-        let resume = match handle.observe(self.ledger.resume(p, token, layers.fencing).await) {
-            Ok(resume) => resume,
+        // Fence before resume: raising the fence is what makes the value that writes.
+        let pen = match layers.fencing {
+            true => handle.acquire(self.ledger.fence.clone()).await.map(Pen::Fenced),
+            false => Ok(Pen::Unfenced),
+        };
+        let resume = match pen {
+            Ok(pen) => self.ledger.resume(p, &pen).await.map(|resume| (pen, resume)),
+            Err(e) => Err(e),
+        };
+        let (pen, resume) = match resume {
+            Ok(resumed) => resumed,
             Err(FenceError::Stale { highest, .. }) => {
                 self.counts.refused_by_fence += 1;
                 run.say(format!("{} REJECT resume of {p} token={token} (highest seen {highest})", self.name));
@@ -498,7 +401,7 @@ impl Biller {
                 worker: self.name.clone(),
                 token,
             };
-            match handle.observe(self.ledger.bill(p, invoice, layers).await) {
+            match self.ledger.bill(p, &pen, invoice, layers).await {
                 Ok(Billed::Inserted) => self.counts.inserted += 1,
                 Ok(Billed::AlreadyBilled) => self.counts.refused_by_unique_key += 1,
                 Err(FenceError::Stale { highest, .. }) => {
@@ -547,21 +450,6 @@ async fn settled(held: &[Arc<AtomicU64>]) -> Result<()> {
     }
 }
 
-/// The store chosen for the run; each worker gets its own connection to it.
-enum Backend {
-    Postgres(String),
-    Rocks(Arc<RocksLedger>),
-}
-
-impl Backend {
-    async fn ledger(&self) -> Result<Ledger> {
-        match self {
-            Backend::Postgres(config) => pg_ledger(config).await,
-            Backend::Rocks(db) => Ok(Ledger::Rocks(db.clone())),
-        }
-    }
-}
-
 struct Outcome {
     layers: Layers,
     invoices: u64,
@@ -569,7 +457,7 @@ struct Outcome {
     counts: Counts,
 }
 
-async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
+async fn run(layers: Layers, postgres: &str) -> Result<Outcome> {
     println!(
         "== lease checks {}, fencing {}, unique key {}",
         on_off(layers.lease_checks),
@@ -594,10 +482,7 @@ async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
         customers.get_mut(&p).expect("partition in range").push(c);
     }
 
-    let backend = match postgres {
-        Some(config) => Backend::Postgres(pg_prepare(config, layers).await?),
-        None => Backend::Rocks(Arc::new(RocksLedger::open(&dir.path().join("invoices"))?)),
-    };
+    let database = pg_prepare(postgres, layers).await?;
 
     let run = Arc::new(Run { start: Instant::now(), layers, customers });
     let (start, stop) = (CancellationToken::new(), CancellationToken::new());
@@ -613,7 +498,7 @@ async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
             config,
             held: Arc::new(AtomicU64::new(0)),
             worker: Some(worker),
-            ledger: backend.ledger().await?,
+            ledger: pg_ledger(&database).await?,
             freezes: i == 1,
             counts: Counts::default(),
         };
@@ -627,7 +512,7 @@ async fn run(layers: Layers, postgres: Option<&str>) -> Result<Outcome> {
     let mut counts = frozen.await??;
 
     // The month is done when every customer has an invoice; then the others stop.
-    let tally = backend.ledger().await?;
+    let tally = pg_ledger(&database).await?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (_, billed) = tally.tally().await?;
@@ -668,15 +553,14 @@ fn on_off(b: bool) -> &'static str {
 async fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let postgres = match args.as_slice() {
-        [] => None,
-        [flag, config] if flag == "--postgres" => Some(config.clone()),
+        [] => "host=127.0.0.1 port=5432 user=postgres password=tenure dbname=tenure_test".to_string(),
+        [flag, config] if flag == "--postgres" => config.clone(),
         _ => bail!("usage: invoices [--postgres <libpq connection string>]"),
     };
     println!(
-        "{CUSTOMERS} customers in {PARTITIONS} partitions, 3 workers, lease TTL {} ms, one worker frozen for {} ms; store: {}\n",
+        "{CUSTOMERS} customers in {PARTITIONS} partitions, 3 workers, lease TTL {} ms, one worker frozen for {} ms; store: PostgreSQL\n",
         TTL.as_millis(),
         PAUSE.as_millis(),
-        if postgres.is_some() { "PostgreSQL" } else { "RocksDB" }
     );
     let mut outcomes = Vec::new();
     let mut failed = None;
@@ -684,7 +568,7 @@ async fn main() -> Result<()> {
         let layers =
             Layers { lease_checks: bits & 1 != 0, fencing: bits & 2 != 0, unique_key: bits & 4 != 0 };
         // Every run is bounded: a run that cannot finish (say, its worker never froze) fails.
-        let bounded = tokio::time::timeout(Duration::from_secs(120), run(layers, postgres.as_deref()));
+        let bounded = tokio::time::timeout(Duration::from_secs(120), run(layers, &postgres));
         match bounded.await.unwrap_or_else(|_| Err(anyhow::anyhow!("the run did not finish within 120 s"))) {
             Ok(outcome) => outcomes.push(outcome),
             Err(e) => {
@@ -693,9 +577,7 @@ async fn main() -> Result<()> {
             }
         }
     }
-    if let Some(config) = &postgres {
-        pg_drop_schema(config).await?;
-    }
+    pg_drop_schema(&postgres).await?;
     if let Some(e) = failed {
         return Err(e);
     }

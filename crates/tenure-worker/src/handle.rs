@@ -158,3 +158,24 @@ impl<S: FenceStore> Fenced<S> {
         self.store.read(self.partition(), key).await
     }
 }
+
+#[cfg(feature = "fence-postgres")]
+impl<S> Fenced<S>
+where
+    S: FenceStore + std::ops::Deref<Target = crate::fence::PostgresFence>,
+{
+    /// Runs `work` in one PostgreSQL transaction that first checks this grant's fence: the
+    /// application's own statements commit with the check or not at all (see
+    /// [`PostgresFence::transaction`](crate::fence::PostgresFence::transaction)).
+    pub async fn transaction<T, F>(&self, work: F) -> Result<T, FenceError>
+    where
+        F: for<'a> FnOnce(
+            &'a crate::fence::PostgresTransaction<'a>,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<T, FenceError>> + Send + 'a>,
+        >,
+    {
+        let done = self.store.transaction(self.partition(), self.token(), work).await;
+        self.handle.observe(done)
+    }
+}

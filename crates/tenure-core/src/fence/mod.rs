@@ -49,6 +49,9 @@ pub use memory::MemoryFence;
 pub use postgres::PostgresFence;
 #[cfg(feature = "rocksdb")]
 pub use rocks::RocksFence;
+/// The transaction [`PostgresFence::transaction`] hands the application's statements.
+#[cfg(feature = "postgres")]
+pub use tokio_postgres::Transaction as PostgresTransaction;
 
 use crate::ids::{FencingToken, PartitionId};
 use std::collections::HashMap;
