@@ -144,7 +144,10 @@ impl Story {
     ) -> Result<Child> {
         let [ca, cert, key] =
             cluster.ca().write_client_files(dir, &format!("worker-{who}"), &Principal::Worker(who.into()))?;
-        let job = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/jobs/fenced_step.sh");
+        // The job travels inside this binary, so it runs the script it was built with from
+        // wherever the binary is.
+        let job = dir.join("fenced_step.sh");
+        std::fs::write(&job, include_str!("jobs/fenced_step.sh")).context("writing the job script")?;
         let mut child = Command::new(&args.tenure)
             .args(["run", "--coordinators", &cluster.addrs().join(","), "--name", who])
             .arg("--tls-ca")
