@@ -26,7 +26,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::task::{AbortHandle, Id, JoinHandle, JoinSet};
+use tokio::task::{AbortHandle, Id, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -551,8 +551,9 @@ where
 }
 
 /// Runs the handler for one assignment until it returns `Ok` or is told to stop, restarting
-/// it after a failure. Each run is a task of its own so that a panic is caught; the guard
-/// aborts it when this task is aborted.
+/// it after a failure. The handler's future runs inside this task, its panics caught here, so
+/// aborting this task drops the handler's future before the runner hears that the task ended:
+/// nothing of the handler outlives the moment the runner releases the partition.
 async fn supervise<H, Fut, E>(
     handler: Arc<H>,
     assignment: Assignment,
@@ -566,12 +567,10 @@ async fn supervise<H, Fut, E>(
     let partition = assignment.partition();
     let mut wait = backoff.0;
     loop {
-        let mut run = AbortOnDrop(tokio::spawn(handler(assignment.clone())));
-        let failure = match (&mut run.0).await {
+        let failure = match CatchUnwind(Box::pin(handler(assignment.clone()))).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => e.to_string(),
-            Err(e) if e.is_panic() => "the handler panicked".to_string(),
-            Err(_) => return, // cancelled: the runtime is going away
+            Err(()) => "the handler panicked".to_string(),
         };
         failures.fetch_add(1, Ordering::Relaxed);
         if assignment.is_stopped() {
@@ -587,11 +586,19 @@ async fn supervise<H, Fut, E>(
     }
 }
 
-/// A spawned task that is aborted when its handle is dropped.
-struct AbortOnDrop<T>(JoinHandle<T>);
+/// A future whose panic becomes `Err(())`. The future is dropped after a panic and never
+/// polled again, so no state it left half-changed is observed.
+struct CatchUnwind<F>(Pin<Box<F>>);
 
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
+impl<F: Future> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, ()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let inner = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(out)) => std::task::Poll::Ready(Ok(out)),
+            Err(_) => std::task::Poll::Ready(Err(())),
+        }
     }
 }
