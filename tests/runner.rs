@@ -236,7 +236,7 @@ async fn a_task_that_ignores_its_stop_is_aborted_at_the_drain_bound_before_the_r
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_failing_handler_runs_again_under_the_same_grant() {
+async fn a_failing_or_panicking_handler_runs_again_under_the_same_grant() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
     let journal = Journal::default();
@@ -253,8 +253,10 @@ async fn a_failing_handler_runs_again_under_the_same_grant() {
                     *n += 1;
                     *n
                 };
-                if attempt <= 2 {
-                    return Err(FenceError::Backend(format!("attempt {attempt} fails")));
+                match attempt {
+                    1 => return Err(FenceError::Backend("the first attempt fails".into())),
+                    2 => panic!("the second attempt panics"),
+                    _ => {}
                 }
                 a.stopped().await;
                 Ok(())
