@@ -230,6 +230,7 @@ mod tests {
 
     use super::*;
     use crate::events::Events;
+    use crate::LostReason;
 
     fn shared() -> (Arc<Shared>, Events) {
         shared_with_capacity(1024)
@@ -356,6 +357,53 @@ mod tests {
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + ttl - margin));
         s.renewed(sent, &lease(1, 5));
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + ttl - margin));
+    }
+
+    #[test]
+    fn an_application_that_stops_reading_loses_everything_at_once_and_is_told_so() {
+        let (s, mut rx) = shared_with_capacity(2);
+        let leases: Vec<proto::PartitionLease> =
+            (1..=3).map(|p| proto::PartitionLease { partition: p, token: 10 + u64::from(p) }).collect();
+        // Three grants into a stream of two: the third does not fit.
+        s.renewed(Instant::now(), &leases);
+        assert!(s.session_over.is_cancelled(), "the session is given up");
+        for p in 1..=3 {
+            assert_eq!(
+                s.valid_until(PartitionId(p), FencingToken(10 + u64::from(p))),
+                None,
+                "p{p} still believed"
+            );
+        }
+        // The reader gets what was queued, the end of each grant it was told of, then why.
+        let mut told = Vec::new();
+        while let Some(event) = rx.try_recv() {
+            told.push(match event {
+                WorkerEvent::Granted(h) => {
+                    assert!(!h.is_valid(), "a handle outlived the overflow");
+                    format!("granted {}", h.partition())
+                }
+                WorkerEvent::Lost { partition, reason: LostReason::SessionEnded, .. } => {
+                    format!("lost {partition}")
+                }
+                WorkerEvent::SessionEnded { reason: SessionEnd::EventsOverflowed } => "overflowed".into(),
+                other => panic!("unexpected {other:?}"),
+            });
+        }
+        let p = |n| PartitionId(n).to_string();
+        assert_eq!(
+            told,
+            vec![
+                format!("granted {}", p(1)),
+                format!("granted {}", p(2)),
+                format!("lost {}", p(1)),
+                format!("lost {}", p(2)),
+                "overflowed".to_string()
+            ]
+        );
+        // Nothing more, now or later: the next heartbeat's answer is not believed either.
+        s.renewed(Instant::now(), &leases);
+        assert!(rx.try_recv().is_none());
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(11)), None);
     }
 
     #[test]
