@@ -381,6 +381,18 @@ fn the_binary_rejects_garbage_flags_with_a_clear_message() {
     let out = serve(&["--tls-ca", junk, "--tls-cert", junk, "--tls-key", junk]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("holds no PEM certificate"));
+    // `tenure run` refuses a command it could never start before it joins (no coordinator
+    // listens at this address: a join would only fail later, and differently).
+    let run_cmd =
+        |command: &str| run(&["run", "--coordinators", "127.0.0.1:1", "--name", "w", "--", command]);
+    let out = run_cmd("no-such-command-anywhere");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no executable of that name on PATH"), "{err}");
+    let out = run_cmd(junk);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("is not an executable file"), "{err}");
 }
 
 /// A snapshot that does not decode, sent by a peer with the leader's own vote, is refused when

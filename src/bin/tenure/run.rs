@@ -53,6 +53,10 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let Some((program, program_args)) = args.command.split_first() else {
         bail!("give the command to run after --");
     };
+    // A command that cannot start would fail on every partition, forever: refuse it before
+    // taking any partition.
+    let resolved = executable(program)?;
+    tracing::debug!(command = %resolved.display(), "the command runs from here");
     let mut config = WorkerConfig::new(args.coordinators, args.name.clone());
     config.weight = args.weight;
     config.tls = args.tls.load()?;
@@ -77,6 +81,27 @@ pub async fn run(args: RunArgs) -> Result<()> {
         report.sessions, report.granted, report.drained, report.cut_short, report.lost, report.failures
     );
     Ok(())
+}
+
+/// Where `program` would be run from: itself if it names a path, else the first match on
+/// `PATH`; an error if that is not an executable file.
+fn executable(program: &str) -> Result<std::path::PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let runnable = |path: &std::path::Path| {
+        std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        let path = std::path::PathBuf::from(program);
+        if !runnable(&path) {
+            bail!("cannot run {program}: it is not an executable file");
+        }
+        return Ok(path);
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(program))
+        .find(|candidate| runnable(candidate))
+        .with_context(|| format!("cannot run {program}: no executable of that name on PATH"))
 }
 
 /// SIGINT or SIGTERM: stop every child, then leave.
