@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tenure::fence::{FenceError, MemoryFence};
-use tenure::ids::PartitionId;
+use tenure::ids::{FencingToken, PartitionId};
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{Assignment, RunReport, Runner};
+use tenure::worker::{Assignment, RunReport, Runner, RunnerState};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -165,7 +165,10 @@ async fn a_moved_partition_is_released_only_after_its_task_returned() {
     let dir = tempfile::tempdir().unwrap();
     let c = cluster(dir.path()).await;
     let journal = Journal::default();
-    let a = spawn(Runner::new(c.worker_config("a")).drain_bound(PATIENCE), polite("a", journal.clone()));
+    let runner_a = Runner::new(c.worker_config("a")).drain_bound(PATIENCE);
+    let status_a = runner_a.status();
+    assert_eq!(status_a.now(), RunnerState::default(), "nothing runs before run()");
+    let a = spawn(runner_a, polite("a", journal.clone()));
     running(&journal, "a", 24).await;
 
     // b joins: half of a's partitions move, each only after a's task checkpointed and returned.
@@ -173,6 +176,22 @@ async fn a_moved_partition_is_released_only_after_its_task_returned() {
     settled(&c, 2).await;
     running(&journal, "b", 12).await;
     running(&journal, "a", 12).await;
+    // a's status names its session and exactly the partitions whose tasks run, with the
+    // tokens the table gives them.
+    let table = c.status().await.unwrap();
+    eventually("a's status shows its 12 tasks", || async {
+        (status_a.now().running.len() == 12).then_some(())
+    })
+    .await;
+    let state = status_a.now();
+    let session = state.session.expect("a serves a session");
+    let owned: BTreeMap<PartitionId, FencingToken> = table
+        .partitions
+        .iter()
+        .filter(|r| r.owner == session.0)
+        .map(|r| (PartitionId(r.partition), FencingToken(r.token)))
+        .collect();
+    assert_eq!(state.running, owned, "a's status against the table");
     journal.assert_one_task_at_a_time();
     assert_eq!(
         journal.refused(),
@@ -182,6 +201,7 @@ async fn a_moved_partition_is_released_only_after_its_task_returned() {
 
     // a shuts down: its tasks checkpoint, then it leaves and b takes everything.
     let report = stop(a).await;
+    assert_eq!(status_a.now(), RunnerState::default(), "a stopped runner runs nothing");
     assert_eq!((report.sessions, report.granted, report.drained), (1, 24, 24), "{report:?}");
     assert_eq!((report.cut_short, report.lost, report.failures), (0, 0, 0), "{report:?}");
     settled(&c, 1).await;

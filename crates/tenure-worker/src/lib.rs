@@ -54,7 +54,7 @@ pub use config::WorkerConfig;
 pub use events::{Events, SessionEnd, WorkerEvent};
 pub use handle::{Fenced, PartitionHandle};
 pub use router::{Route, Router};
-pub use runner::{Assignment, RunReport, Runner};
+pub use runner::{Assignment, RunReport, Runner, RunnerState, RunnerStatus};
 pub use transport::ClientTls;
 
 use crate::ids::{FencingToken, PartitionId, SessionId};

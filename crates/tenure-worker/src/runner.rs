@@ -16,7 +16,7 @@
 //! thread keeps running, and fencing is what stops such a straggler from doing harm.
 
 use crate::fence::{FenceError, FenceStore};
-use crate::ids::{FencingToken, PartitionId};
+use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::keyspace::{HashRange, KeySpace};
 use crate::{ClientError, Fenced, PartitionHandle, SessionEnd, Worker, WorkerConfig, WorkerEvent};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -26,6 +26,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::task::{AbortHandle, Id, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -109,6 +110,32 @@ pub struct RunReport {
     pub session_ends: Vec<SessionEnd>,
 }
 
+/// What a runner is doing at one moment.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunnerState {
+    /// The session it serves; `None` between sessions.
+    pub session: Option<SessionId>,
+    /// The partitions whose tasks are running (or stopping), with their grants' tokens.
+    pub running: BTreeMap<PartitionId, FencingToken>,
+}
+
+/// A view of a runner's [`RunnerState`] that follows it, from [`Runner::status`].
+#[derive(Clone, Debug)]
+pub struct RunnerStatus(watch::Receiver<RunnerState>);
+
+impl RunnerStatus {
+    /// The state as of now.
+    pub fn now(&self) -> RunnerState {
+        self.0.borrow().clone()
+    }
+
+    /// Waits for the next change; `false` once the runner is gone.
+    pub async fn changed(&mut self) -> bool {
+        self.0.changed().await.is_ok()
+    }
+}
+
 /// Runs a handler for every partition this process owns, across sessions, until shut down.
 ///
 /// ```no_run
@@ -140,6 +167,7 @@ pub struct RunReport {
 #[derive(Clone, Debug)]
 pub struct Runner {
     config: WorkerConfig,
+    status: Arc<watch::Sender<RunnerState>>,
     drain: Duration,
     shutdown: Duration,
     restart: (Duration, Duration),
@@ -153,11 +181,18 @@ impl Runner {
     pub fn new(config: WorkerConfig) -> Runner {
         Runner {
             config,
+            status: Arc::new(watch::Sender::new(RunnerState::default())),
             drain: Duration::from_secs(10),
             shutdown: Duration::from_secs(5),
             restart: (Duration::from_secs(1), Duration::from_secs(30)),
             rejoin: (Duration::from_millis(250), Duration::from_secs(30)),
         }
+    }
+
+    /// Follows what this runner is doing (its session, the partitions whose tasks run), for a
+    /// health check or a status page; take it before [`Runner::run`].
+    pub fn status(&self) -> RunnerStatus {
+        RunnerStatus(self.status.subscribe())
     }
 
     /// How long a revoked partition's task (or every task, on shutdown) may take to return
@@ -233,8 +268,10 @@ impl Runner {
             let began = Instant::now();
             let ttl = worker.lease_ttl();
             let mut session = Session::new(&self, worker, handler.clone(), failures.clone());
+            session.publish();
             let ended = session.serve(shutdown.as_mut()).await;
             session.count_into(&mut report);
+            self.status.send_replace(RunnerState::default());
             match ended {
                 None => break,
                 Some(reason) => {
@@ -296,6 +333,7 @@ struct Slot {
 /// One session's tasks.
 struct Session<H> {
     worker: Arc<Worker>,
+    status: Arc<watch::Sender<RunnerState>>,
     handler: Arc<H>,
     failures: Arc<AtomicU64>,
     drain: Duration,
@@ -318,6 +356,7 @@ where
     fn new(runner: &Runner, worker: Worker, handler: Arc<H>, failures: Arc<AtomicU64>) -> Session<H> {
         Session {
             worker: Arc::new(worker),
+            status: runner.status.clone(),
             handler,
             failures,
             drain: runner.drain,
@@ -346,6 +385,7 @@ where
         let mut events =
             Arc::get_mut(&mut self.worker).and_then(Worker::events).unwrap_or_else(crate::Events::closed);
         loop {
+            self.publish();
             if self.shutting_down && self.tasks.is_empty() {
                 self.leave().await;
                 return None;
@@ -372,6 +412,24 @@ where
                 _ = shutdown.as_mut(), if !self.shutting_down => self.begin_shutdown(),
             }
         }
+    }
+
+    /// Tells [`RunnerStatus`] readers what runs now, if that changed.
+    fn publish(&self) {
+        let running: BTreeMap<PartitionId, FencingToken> = self
+            .slots
+            .iter()
+            .filter(|(_, slot)| matches!(slot.phase, Phase::Running | Phase::Draining { .. }))
+            .map(|(partition, slot)| (*partition, slot.token))
+            .collect();
+        let session = Some(self.worker.session());
+        self.status.send_if_modified(|state| {
+            let changed = state.session != session || state.running != running;
+            if changed {
+                *state = RunnerState { session, running };
+            }
+            changed
+        });
     }
 
     fn on_event(&mut self, event: WorkerEvent) {
