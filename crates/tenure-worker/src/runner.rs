@@ -190,7 +190,9 @@ impl Runner {
     }
 
     /// Follows what this runner is doing (its session, the partitions whose tasks run), for a
-    /// health check or a status page; take it before [`Runner::run`].
+    /// health check or a status page; take it before [`Runner::run`]. Clones of a runner share
+    /// one status, so give each run its own `Runner::new`. Publishing costs a pass over the
+    /// session's partitions per event, which is nothing at the hundreds a worker holds.
     pub fn status(&self) -> RunnerStatus {
         RunnerStatus(self.status.subscribe())
     }
