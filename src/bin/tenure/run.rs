@@ -54,9 +54,8 @@ pub async fn run(args: RunArgs) -> Result<()> {
         bail!("give the command to run after --");
     };
     // A command that cannot start would fail on every partition, forever: refuse it before
-    // taking any partition.
-    let resolved = executable(program)?;
-    tracing::debug!(command = %resolved.display(), "the command runs from here");
+    // taking any partition, and run exactly the file that was checked.
+    let program = executable(program)?;
     let mut config = WorkerConfig::new(args.coordinators, args.name.clone());
     config.weight = args.weight;
     config.tls = args.tls.load()?;
@@ -65,7 +64,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
         .drain_bound(Duration::from_millis(args.drain_ms))
         .shutdown_bound(Duration::from_millis(args.shutdown_ms))
         .restart_backoff(restart, Duration::from_secs(30).max(restart));
-    let child = ChildSpec { program: program.clone(), args: program_args.to_vec(), worker: args.name };
+    let child = ChildSpec { program, args: program_args.to_vec(), worker: args.name };
     let report = runner
         .run(
             move |assignment| {
@@ -123,7 +122,7 @@ async fn stop_signal() {
 
 #[derive(Clone)]
 struct ChildSpec {
-    program: String,
+    program: std::path::PathBuf,
     args: Vec<String>,
     worker: String,
 }
@@ -146,8 +145,8 @@ impl ChildSpec {
             // Its own process group, so that what it starts (a shell's psql) is signalled with it.
             .process_group(0)
             .kill_on_drop(true);
-        let mut child =
-            Running::spawn(&mut command, &a).map_err(|e| format!("cannot start {:?}: {e}", self.program))?;
+        let mut child = Running::spawn(&mut command, &a)
+            .map_err(|e| format!("cannot start {}: {e}", self.program.display()))?;
         tokio::select! {
             status = child.wait() => return child.exited(status),
             _ = a.stopped() => {}
