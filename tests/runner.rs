@@ -4,7 +4,8 @@
 //! What must hold, whatever the path (a graceful move, a task that ignores its stop signal, a
 //! handler that fails, a session lost to a partition of the network): for each partition, a
 //! task ends before the next one starts, tokens grow from task to task, and no write of a
-//! task that was stopped in time is refused by the store.
+//! task that was stopped in time is refused by the store. A task may also give its partition
+//! back of its own accord; the same must hold.
 
 mod common;
 
@@ -347,4 +348,50 @@ async fn a_session_lost_to_a_network_partition_aborts_its_tasks_and_is_joined_ag
     assert_eq!((report.sessions, report.granted, report.lost), (2, 48, 24), "{report:?}");
     assert_eq!(report.session_ends.len(), 1, "{report:?}");
     assert!(!report.session_ends[0].is_own_doing());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_its_task_gives_back_is_released_only_after_the_task_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let journal = Journal::default();
+    let (given, finished) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let handler = {
+        let (polite, given, finished) =
+            (Arc::new(polite("a", journal.clone())), given.clone(), finished.clone());
+        move |a: Assignment| {
+            let (polite, given, finished) = (polite.clone(), given.clone(), finished.clone());
+            async move {
+                // The first task of p3 gives its partition back at once; it still checkpoints
+                // before it returns, and that checkpoint must land.
+                if a.partition() != PartitionId(3) || given.fetch_add(1, Ordering::SeqCst) > 0 {
+                    return polite(a).await;
+                }
+                a.give_back();
+                a.give_back(); // asking twice changes nothing
+                polite(a).await?;
+                finished.fetch_add(1, Ordering::SeqCst);
+                Ok(())
+            }
+        }
+    };
+    let a = spawn(Runner::new(c.worker_config("a")).drain_bound(PATIENCE), handler);
+    // The only worker is granted p3 again, under a new grant.
+    eventually("p3 runs a second time", || async {
+        let spans = journal.spans();
+        let p3: Vec<&Span> = spans.iter().filter(|s| s.partition == 3).collect();
+        (p3.len() == 2 && p3[1].start > p3[0].end?).then_some(())
+    })
+    .await;
+    running(&journal, "a", 24).await;
+    journal.assert_one_task_at_a_time();
+    assert_eq!(journal.refused(), 0, "the given-back task's checkpoint was refused: released too early");
+    assert_eq!(finished.load(Ordering::SeqCst), 1, "the given-back task did not finish its checkpoint");
+    let p3: Vec<u64> = journal.spans().iter().filter(|s| s.partition == 3).map(|s| s.token).collect();
+    assert!(p3[0] < p3[1], "p3 came back under a new token: {p3:?}");
+
+    let report = stop(a).await;
+    assert_eq!((report.granted, report.drained, report.cut_short), (25, 25, 0), "{report:?}");
+    journal.assert_one_task_at_a_time();
+    assert_eq!(journal.refused(), 0);
 }

@@ -26,7 +26,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tokio::task::{AbortHandle, Id, JoinSet};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -39,10 +39,22 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Debug)]
 pub struct Assignment {
     handle: PartitionHandle,
+    session: SessionId,
     stop: CancellationToken,
     lease_ttl: Duration,
     keyspace: KeySpace,
+    give_back: GiveBack,
 }
+
+/// An assignment's way to ask its session to give the partition back: once per grant.
+#[derive(Clone, Debug)]
+struct GiveBack {
+    asked: Arc<std::sync::atomic::AtomicBool>,
+    to: mpsc::UnboundedSender<Grant>,
+}
+
+/// A partition's grant, named by its token.
+type Grant = (PartitionId, FencingToken);
 
 impl Assignment {
     pub fn partition(&self) -> PartitionId {
@@ -51,6 +63,11 @@ impl Assignment {
 
     pub fn token(&self) -> FencingToken {
         self.handle.token()
+    }
+
+    /// The session this partition was granted to (a new session gets new grants, new tokens).
+    pub fn session(&self) -> SessionId {
+        self.session
     }
 
     /// The slice of the key space's hashes this partition covers.
@@ -81,6 +98,19 @@ impl Assignment {
 
     pub fn is_stopped(&self) -> bool {
         self.stop.is_cancelled()
+    }
+
+    /// Gives the partition back of this process's own accord (it is overloaded, say, or its
+    /// host is being drained): the task is told to stop, as on a revoke, and once it has
+    /// returned (or the drain bound passed) the runner releases the partition and the
+    /// coordinator places it again. Placement may grant it back to this same worker, under a
+    /// new token, when that is where balance puts it. Asking twice, or after the grant ended,
+    /// does nothing.
+    pub fn give_back(&self) {
+        if !self.give_back.asked.swap(true, Ordering::SeqCst) {
+            // The session is gone when this fails, and the grant with it.
+            let _ = self.give_back.to.send((self.partition(), self.token()));
+        }
     }
 
     /// Raises the partition's fence in `store` to this grant's token and returns the value
@@ -307,6 +337,15 @@ fn is_fatal(e: &ClientError) -> bool {
     )
 }
 
+/// Who asked for a partition to be given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Asked {
+    /// The coordinator, with a revoke.
+    Revoked,
+    /// The partition's task, with [`Assignment::give_back`].
+    GivenBack,
+}
+
 /// Where a partition's task is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Phase {
@@ -345,6 +384,8 @@ struct Session<H> {
     tasks: JoinSet<()>,
     owners: HashMap<Id, PartitionId>,
     deadlines: BTreeSet<(Instant, PartitionId)>,
+    /// Partitions the tasks asked to give back ([`Assignment::give_back`]).
+    given_back: (mpsc::UnboundedSender<Grant>, mpsc::UnboundedReceiver<Grant>),
     shutting_down: bool,
     counts: RunReport,
 }
@@ -368,6 +409,7 @@ where
             tasks: JoinSet::new(),
             owners: HashMap::new(),
             deadlines: BTreeSet::new(),
+            given_back: mpsc::unbounded_channel(),
             shutting_down: false,
             counts: RunReport::default(),
         }
@@ -411,6 +453,9 @@ where
                 _ = tokio::time::sleep_until(next_deadline.unwrap_or_else(Instant::now)), if next_deadline.is_some() => {
                     self.on_deadlines(Instant::now());
                 }
+                Some((partition, token)) = self.given_back.1.recv() => {
+                    self.stop_and_release(partition, token, Asked::GivenBack);
+                }
                 _ = shutdown.as_mut(), if !self.shutting_down => self.begin_shutdown(),
             }
         }
@@ -446,27 +491,7 @@ where
                 self.start(handle);
             }
             WorkerEvent::Revoking { partition, token } => {
-                let deadline = self.worker_deadline(partition, token);
-                match self.slots.get_mut(&partition).filter(|s| s.token == token) {
-                    Some(slot) if slot.phase == Phase::Running => {
-                        slot.stop.cancel();
-                        let until = deadline.min(Instant::now() + self.drain);
-                        slot.phase = Phase::Draining { until, cut: false, release: true };
-                        self.deadlines.insert((until, partition));
-                    }
-                    Some(slot) if matches!(slot.phase, Phase::Draining { .. }) => {
-                        // Already stopping for a shutdown: release it when it is done.
-                        if let Phase::Draining { release, .. } = &mut slot.phase {
-                            *release = true;
-                        }
-                    }
-                    Some(slot) if slot.phase == Phase::Aborted => {}
-                    _ => {
-                        // Idle, or never started (granted while shutting down): nothing to wait for.
-                        self.slots.remove(&partition);
-                        self.release(partition);
-                    }
-                }
+                self.stop_and_release(partition, token, Asked::Revoked)
             }
             WorkerEvent::Lost { partition, token, .. } | WorkerEvent::Released { partition, token } => {
                 let lost = matches!(event, WorkerEvent::Lost { .. });
@@ -491,6 +516,39 @@ where
         }
     }
 
+    /// Tells the task of grant `token` of `partition` to stop, and releases the partition once
+    /// the task has ended (or at once when none runs).
+    fn stop_and_release(&mut self, partition: PartitionId, token: FencingToken, asked: Asked) {
+        let deadline = self.worker_deadline(partition, token);
+        match self.slots.get_mut(&partition).filter(|s| s.token == token) {
+            Some(slot) if slot.phase == Phase::Running => {
+                slot.stop.cancel();
+                let until = deadline.min(Instant::now() + self.drain);
+                slot.phase = Phase::Draining { until, cut: false, release: true };
+                self.deadlines.insert((until, partition));
+            }
+            Some(slot) if matches!(slot.phase, Phase::Draining { .. }) => {
+                // Already stopping (for a shutdown, or asked twice): release it when it is done.
+                if let Phase::Draining { release, .. } = &mut slot.phase {
+                    *release = true;
+                }
+            }
+            Some(slot) if slot.phase == Phase::Aborted => {}
+            Some(_) => {
+                // Idle: nothing runs to wait for.
+                self.slots.remove(&partition);
+                self.release(partition);
+            }
+            // A task's grant that already ended: nothing of it is this worker's to give back.
+            None if asked == Asked::GivenBack => {}
+            None => {
+                // Never started (granted while shutting down): nothing to wait for.
+                self.slots.remove(&partition);
+                self.release(partition);
+            }
+        }
+    }
+
     /// The local deadline of a revoked grant, which no renewal moves any more.
     fn worker_deadline(&self, partition: PartitionId, token: FencingToken) -> Instant {
         let held = self.worker.shared.valid_until(partition, token);
@@ -502,9 +560,11 @@ where
         let stop = handle.cancellation().child_token();
         let assignment = Assignment {
             handle: handle.clone(),
+            session: self.worker.session(),
             stop: stop.clone(),
             lease_ttl: self.worker.lease_ttl(),
             keyspace: self.worker.keyspace(),
+            give_back: GiveBack { asked: Default::default(), to: self.given_back.0.clone() },
         };
         let work = supervise(self.handler.clone(), assignment, self.restart, self.failures.clone());
         let abort = self.tasks.spawn(work);

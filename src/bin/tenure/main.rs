@@ -80,6 +80,9 @@ struct NemesisWorkerArgs {
     /// Where the worker's certificate is (ca.pem, worker-<name>.pem, worker-<name>-key.pem).
     #[arg(long)]
     tls_dir: Option<std::path::PathBuf>,
+    /// Run the partition runner, a handler per owned partition, instead of the event loop.
+    #[arg(long)]
+    runner: bool,
 }
 
 #[derive(Args)]
@@ -302,6 +305,9 @@ struct NemesisArgs {
     /// and worker processes (no real SIGSTOP or kill -9 then; quicker to start).
     #[arg(long)]
     in_process: bool,
+    /// How many of the worker processes run the partition runner instead of the event loop.
+    #[arg(long, default_value_t = 1)]
+    runners: usize,
 }
 
 #[derive(Args)]
@@ -412,6 +418,7 @@ async fn main() -> Result<()> {
                 epoch_ns: args.epoch_ns,
                 write_interval: Duration::from_millis(args.write_every_ms),
                 tls_dir: args.tls_dir,
+                runner: args.runner,
             };
             tenure::nemesis::run_worker_process(args).await.map_err(|e| anyhow::anyhow!(e))
         }
@@ -637,6 +644,7 @@ async fn nemesis(args: NemesisArgs) -> Result<()> {
         let mut config = NemesisConfig::new(seed, Duration::from_secs(args.fault_secs));
         config.nodes = args.nodes;
         config.workers = args.workers;
+        config.runners = args.runners;
         config.partition_count = args.partitions;
         config.lease_ttl = Duration::from_millis(args.lease_ttl_ms);
         config.fencing = !args.no_fencing;

@@ -39,6 +39,9 @@ pub struct WorkerProcessArgs {
     /// Where `ca.pem`, `worker-<name>.pem` and `worker-<name>-key.pem` are (the layout
     /// `tenure certs` writes); `None` for an insecure cluster.
     pub tls_dir: Option<PathBuf>,
+    /// Run the partition runner with a handler per partition ([`super::runner_slot`]) instead
+    /// of the worker library's event loop.
+    pub runner: bool,
 }
 
 /// One line of a worker process's output.
@@ -86,7 +89,6 @@ pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
     let mut config = crate::worker::WorkerConfig::new(args.coordinators, args.name);
     config.dial_from = Some(args.dial_from);
     config.tls = tls;
-    let mut task = SlotTask::new(config, store, Arc::new(StdoutSink), clock, args.write_interval);
     // The harness's requests to act, one JSON line each; bounded, read off the work loop.
     let (actions, requested) = tokio::sync::mpsc::channel(16);
     tokio::spawn(async move {
@@ -102,6 +104,18 @@ pub async fn run_worker_process(args: WorkerProcessArgs) -> Result<(), String> {
             }
         }
     });
+    if args.runner {
+        return super::runner_slot::run(
+            config,
+            store,
+            Arc::new(StdoutSink),
+            clock,
+            args.write_interval,
+            requested,
+        )
+        .await;
+    }
+    let mut task = SlotTask::new(config, store, Arc::new(StdoutSink), clock, args.write_interval);
     task = task.acting_on(requested);
     task.rejoin().await?;
     task.run_checking_before_work().await
@@ -144,6 +158,9 @@ impl ProcessSlot {
         let mut command = command;
         if let Some(dir) = &args.tls_dir {
             command.extend(["--tls-dir".to_string(), dir.display().to_string()]);
+        }
+        if args.runner {
+            command.push("--runner".to_string());
         }
         let slot = ProcessSlot {
             name: args.name.clone(),
