@@ -1,42 +1,46 @@
-//! The billing exercise: three workers share the customers by partition and write this month's
-//! invoices. One of them freezes (a stop-the-world pause) in the middle of the run, between
-//! deciding to bill a customer and writing the invoice, for three times the lease TTL. Its
-//! partitions are granted to the others, which resume from the durable progress and finish the
-//! month. Then it wakes up and carries on.
+//! The billing exercise: three billing workers share the customers by partition and write this
+//! month's invoices, each on the partition runner (a handler per owned partition). One of them
+//! freezes in the middle of the run, between deciding to bill a customer and writing the
+//! invoice, for three times the lease TTL. Its partitions go to the others, which resume from
+//! the durable progress and finish the month. Then it wakes up and carries on.
+//!
+//! Each biller is a machine of its own: a runtime on a thread of its own, with its runner,
+//! heartbeats and database connections. The freeze blocks that thread, so everything of the
+//! biller stops at once, heartbeats included, as in a stop-the-world pause; the coordinators and
+//! the other billers run on.
 //!
 //! Three layers of protection, each switchable, and the run is repeated for all eight settings:
-//! - lease checks: before each invoice the job asks the worker library whether its lease is still
-//!   valid (the library renews it with heartbeats on its own task and judges it by its local
-//!   deadline) and stops when it is not. Off, the job trusts the lock it was granted at the start
-//!   for the whole job, like a plain lock with a TTL shorter than the job.
+//! - lease checks: a partition's billing runs inside its handler, which the runner stops when
+//!   the partition is revoked or lost, and which looks at its lease before each invoice. Off,
+//!   the handler hands the partition's billing to a job of its own that runs to the end
+//!   whatever happens to the grant, like a plain lock with a TTL shorter than the job.
 //! - fencing: every write carries the partition's fencing token and the store refuses a token
 //!   lower than the highest it has seen; a new owner raises the fence before it reads where to
-//!   resume (fence-before-resume).
+//!   resume (fence-before-resume), and the invoice, the progress and the check are one
+//!   PostgreSQL transaction, through the `Fenced` value `acquire` returns.
 //! - unique key: `UNIQUE (customer_id, billing_period)`, so a second invoice for the same month
 //!   is refused whoever writes it.
 //!
 //! It prints, per setting, how many invoices were written and how many of them are duplicates.
-//! Lease checks alone leave the one invoice that was in flight during the pause; fencing or the
-//! unique key alone already close the gap; all three give zero.
-//!
-//! The fenced writes go through `Fenced`, the value `PartitionHandle::acquire` returns once the
-//! fence is raised: the invoice, the progress and the fence check are one PostgreSQL transaction.
+//! Lease checks alone leave the invoice whose check came before the pause: on waking, the
+//! biller's thread goes on from where it stopped and hands that invoice to the database client
+//! before anything else of it runs, so no later check can catch it. Fencing or the unique key
+//! alone close the gap; all three give zero.
 //!
 //! Run: `cargo run --example invoices` (against the server `scripts/setup` starts; `--postgres
 //! CONNINFO` names another). The example works in a schema of its own, `tenure_invoices_<pid>`,
 //! made afresh for every run and dropped at the end.
 
 use anyhow::{bail, Context, Result};
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tenure::fence::{FenceError, PostgresFence};
-use tenure::ids::{FencingToken, PartitionId};
+use tenure::ids::PartitionId;
 use tenure::keyspace::KeySpace;
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{Events, Fenced, PartitionHandle, Worker, WorkerConfig, WorkerEvent};
-
+use tenure::worker::{Assignment, Fenced, Runner, WorkerConfig};
 use tokio_util::sync::CancellationToken;
 
 const PERIOD: &str = "2026-11";
@@ -57,74 +61,63 @@ struct Layers {
     unique_key: bool,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Billed {
-    Inserted,
-    /// The unique key already had this customer's invoice for the month.
-    AlreadyBilled,
+/// What the billers did, counted across all of them.
+#[derive(Default)]
+struct Counts {
+    inserted: AtomicU64,
+    refused_by_unique_key: AtomicU64,
+    refused_by_fence: AtomicU64,
+    stopped_by_lease_check: AtomicU64,
+    /// Billing tasks the runner aborted because their partition was lost.
+    aborted_by_runner: AtomicU64,
 }
 
-/// Where invoices go: a fenced store for the owners that fence, and a plain connection to the
-/// same database for those that do not (and for the tally).
+/// Counts and tells of a billing task the runner aborts: dropped while still armed.
+struct AbortWatch<'a> {
+    run: &'a Run,
+    name: &'a str,
+    partition: PartitionId,
+    armed: bool,
+}
+
+impl Drop for AbortWatch<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            count(&self.run.counts.aborted_by_runner);
+            self.run.say(format!(
+                "{}'s runner aborts its task for {}: the partition was lost",
+                self.name, self.partition
+            ));
+        }
+    }
+}
+
+fn count(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::SeqCst);
+}
+
+/// What one setting's run shares between the billers.
+struct Run {
+    start: Instant,
+    layers: Layers,
+    customers: BTreeMap<PartitionId, Vec<u32>>,
+    /// Fires when the assignment has settled and the month's billing may begin.
+    month_begins: CancellationToken,
+    counts: Counts,
+    database: String,
+}
+
+impl Run {
+    fn say(&self, line: String) {
+        println!("  t={:5.2}s {line}", self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// One biller's connections to the ledger: the fenced store (a pool), and a plain connection
+/// for the writers that do not fence.
 struct Ledger {
     fence: Arc<PostgresFence>,
-    plain: tokio::sync::Mutex<tokio_postgres::Client>,
-}
-
-fn pg_error(e: tokio_postgres::Error) -> FenceError {
-    match e.as_db_error() {
-        Some(db) => FenceError::Backend(format!("{}: {}", db.code().code(), db.message())),
-        None => FenceError::Backend(e.to_string()),
-    }
-}
-
-impl Ledger {
-    /// Where a new owner resumes: the last customer billed in the partition; under the fence
-    /// when there is one, so no older owner can move it afterwards.
-    async fn resume(&self, p: PartitionId, pen: &Pen) -> Result<Option<u32>, FenceError> {
-        match pen {
-            Pen::Fenced(fenced) => fenced.transaction(|tx| Box::pin(pg_progress(tx, p))).await,
-            Pen::Unfenced => {
-                let mut client = self.plain.lock().await;
-                let tx = client.transaction().await.map_err(pg_error)?;
-                pg_progress(&tx, p).await
-            }
-        }
-    }
-
-    /// Writes one invoice and the partition's progress in one transaction (with the fence check
-    /// when there is one).
-    async fn bill(
-        &self,
-        p: PartitionId,
-        pen: &Pen,
-        invoice: Invoice,
-        layers: Layers,
-    ) -> Result<Billed, FenceError> {
-        match pen {
-            Pen::Fenced(fenced) => {
-                fenced.transaction(move |tx| Box::pin(pg_bill(tx, p, invoice, layers))).await
-            }
-            Pen::Unfenced => {
-                let mut client = self.plain.lock().await;
-                let tx = client.transaction().await.map_err(pg_error)?;
-                let billed = pg_bill(&tx, p, invoice, layers).await?;
-                tx.commit().await.map_err(pg_error)?;
-                Ok(billed)
-            }
-        }
-    }
-
-    /// (invoices written, distinct customers invoiced for the month).
-    async fn tally(&self) -> Result<(u64, u64)> {
-        let row = self
-            .plain
-            .lock()
-            .await
-            .query_one("SELECT count(*), count(DISTINCT (customer_id, billing_period)) FROM invoices", &[])
-            .await?;
-        Ok((row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64))
-    }
+    plain: tokio_postgres::Client,
 }
 
 /// How an owner writes: through the value that raising the fence returned, or, with fencing
@@ -134,54 +127,188 @@ enum Pen {
     Unfenced,
 }
 
-#[derive(Clone, Debug)]
-struct Invoice {
-    customer: u32,
-    amount_cents: i64,
-    worker: String,
-    token: FencingToken,
+/// One biller: its name, whether it is the one that freezes, and its ledger.
+struct Biller {
+    name: String,
+    freezes: AtomicBool,
+    ledger: Ledger,
+    run: Arc<Run>,
+    /// A biller bills one partition at a time.
+    turn: tokio::sync::Semaphore,
+    /// The billing jobs handed off when lease checks are off; awaited before the biller ends.
+    jobs: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
 }
 
-async fn pg_progress(
-    tx: &tokio_postgres::Transaction<'_>,
-    p: PartitionId,
-) -> Result<Option<u32>, FenceError> {
-    let row = tx
-        .query_opt("SELECT last_customer FROM billing_progress WHERE partition = $1", &[&(p.0 as i32)])
-        .await
-        .map_err(pg_error)?;
-    Ok(row.map(|r| r.get::<_, i32>(0) as u32))
+impl Biller {
+    /// The handler the runner starts for each owned partition.
+    async fn partition(self: Arc<Self>, assignment: Assignment) -> Result<(), FenceError> {
+        // Nothing is billed until the assignment settles; a partition moved before that is
+        // simply given back.
+        tokio::select! {
+            _ = self.run.month_begins.cancelled() => {}
+            _ = assignment.stopped() => return Ok(()),
+        }
+        if self.run.layers.lease_checks {
+            let mut watch = AbortWatch {
+                run: &self.run,
+                name: &self.name,
+                partition: assignment.partition(),
+                armed: true,
+            };
+            let billed = self.bill(&assignment).await;
+            watch.armed = false;
+            return billed;
+        }
+        // A job that, once started, trusts its grant to the end: the runner's stop does not
+        // reach it.
+        let (biller, job_assignment) = (self.clone(), assignment.clone());
+        let job = tokio::spawn(async move {
+            if let Err(e) = biller.bill(&job_assignment).await {
+                biller.run.say(format!("{} gave up on {}: {e}", biller.name, job_assignment.partition()));
+            }
+        });
+        self.jobs.lock().expect("jobs poisoned").push(job);
+        assignment.stopped().await;
+        Ok(())
+    }
+
+    /// Bills the partition's customers from where the last owner stopped.
+    async fn bill(&self, assignment: &Assignment) -> Result<(), FenceError> {
+        let (run, p, token) = (&self.run, assignment.partition(), assignment.token());
+        let _turn = self.turn.acquire().await.map_err(|e| FenceError::Backend(e.to_string()))?;
+        // Fence before resume: raising the fence is what makes the value that writes.
+        let pen = match run.layers.fencing {
+            true => assignment.acquire(self.ledger.fence.clone()).await.map(Pen::Fenced),
+            false => Ok(Pen::Unfenced),
+        };
+        let resumed = match pen {
+            Ok(pen) => self.resume(p, &pen).await.map(|last| (pen, last)),
+            Err(e) => Err(e),
+        };
+        let (pen, last) = match resumed {
+            Ok(resumed) => resumed,
+            Err(FenceError::Stale { highest, .. }) => {
+                count(&run.counts.refused_by_fence);
+                run.say(format!("{} REJECT resume of {p} token={token} (highest seen {highest})", self.name));
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let todo: Vec<u32> =
+            run.customers[&p].iter().copied().filter(|c| last.is_none_or(|l| *c > l)).collect();
+        if todo.is_empty() {
+            return Ok(());
+        }
+        run.say(format!("{} bills {p} token={token}: {} customers to go", self.name, todo.len()));
+        for (done, customer) in todo.into_iter().enumerate() {
+            if run.layers.lease_checks && (assignment.is_stopped() || !assignment.handle().is_valid()) {
+                count(&run.counts.stopped_by_lease_check);
+                run.say(format!("{} stops {p}: its lease is no longer valid", self.name));
+                return Ok(());
+            }
+            tokio::time::sleep(WORK_PER_INVOICE).await; // computing the invoice
+            if done == PAUSE_AFTER && self.freezes.swap(false, Ordering::SeqCst) {
+                run.say(format!(
+                    "{} freezes for {:.1}s just before writing customer {customer}'s invoice",
+                    self.name,
+                    PAUSE.as_secs_f64()
+                ));
+                // The whole biller stops: this thread is its only one.
+                std::thread::sleep(PAUSE);
+                run.say(format!("{} wakes up and carries on", self.name));
+            }
+            match self.write(p, &pen, customer, token.0).await {
+                Ok(true) => count(&run.counts.inserted),
+                Ok(false) => count(&run.counts.refused_by_unique_key),
+                Err(FenceError::Stale { highest, .. }) => {
+                    count(&run.counts.refused_by_fence);
+                    run.say(format!(
+                        "{} REJECT invoice of customer {customer} in {p} token={token} (highest seen {highest})",
+                        self.name
+                    ));
+                    return Ok(());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Where a new owner resumes: the last customer billed in the partition; under the fence
+    /// when there is one, so no older owner can move it afterwards.
+    async fn resume(&self, p: PartitionId, pen: &Pen) -> Result<Option<u32>, FenceError> {
+        let query = "SELECT last_customer FROM billing_progress WHERE partition = $1";
+        let row = match pen {
+            Pen::Fenced(fenced) => {
+                fenced
+                    .transaction(move |tx| {
+                        Box::pin(async move { tx.query_opt(query, &[&(p.0 as i32)]).await.map_err(pg_error) })
+                    })
+                    .await?
+            }
+            Pen::Unfenced => self.ledger.plain.query_opt(query, &[&(p.0 as i32)]).await.map_err(pg_error)?,
+        };
+        Ok(row.map(|r| r.get::<_, i32>(0) as u32))
+    }
+
+    /// Writes one invoice and the partition's progress in one transaction (with the fence
+    /// check when there is one); `false` when the unique key already had the invoice.
+    async fn write(&self, p: PartitionId, pen: &Pen, customer: u32, token: u64) -> Result<bool, FenceError> {
+        let on_conflict = if self.run.layers.unique_key {
+            "ON CONFLICT (customer_id, billing_period) DO NOTHING"
+        } else {
+            ""
+        };
+        let amount = 1_000 + i64::from(customer % 97) * 13;
+        let invoice = format!(
+            "INSERT INTO invoices (customer_id, billing_period, amount_cents, worker, token)
+             VALUES ({customer}, '{PERIOD}', {amount}, '{}', {token}) {on_conflict}",
+            self.name
+        );
+        let progress = format!(
+            "INSERT INTO billing_progress (partition, last_customer) VALUES ({}, {customer})
+             ON CONFLICT (partition) DO UPDATE SET last_customer = EXCLUDED.last_customer",
+            p.0
+        );
+        match pen {
+            Pen::Fenced(fenced) => {
+                fenced
+                    .transaction(move |tx| {
+                        Box::pin(async move {
+                            let rows = tx.execute(&invoice, &[]).await.map_err(pg_error)?;
+                            tx.execute(&progress, &[]).await.map_err(pg_error)?;
+                            Ok(rows == 1)
+                        })
+                    })
+                    .await
+            }
+            // One message, sent as it is called: invoice and progress commit together.
+            Pen::Unfenced => {
+                let replies = self
+                    .ledger
+                    .plain
+                    .simple_query(&format!("BEGIN; {invoice}; {progress}; COMMIT"))
+                    .await
+                    .map_err(pg_error)?;
+                // BEGIN completes first (no rows); the invoice's count comes next.
+                let counts: Vec<u64> = replies
+                    .iter()
+                    .filter_map(|m| match m {
+                        tokio_postgres::SimpleQueryMessage::CommandComplete(rows) => Some(*rows),
+                        _ => None,
+                    })
+                    .collect();
+                Ok(counts.get(1) == Some(&1))
+            }
+        }
+    }
 }
 
-async fn pg_bill(
-    tx: &tokio_postgres::Transaction<'_>,
-    p: PartitionId,
-    invoice: Invoice,
-    layers: Layers,
-) -> Result<Billed, FenceError> {
-    let insert = if layers.unique_key {
-        "INSERT INTO invoices (customer_id, billing_period, amount_cents, worker, token)
-         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (customer_id, billing_period) DO NOTHING"
-    } else {
-        "INSERT INTO invoices (customer_id, billing_period, amount_cents, worker, token)
-         VALUES ($1, $2, $3, $4, $5)"
-    };
-    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
-        &(invoice.customer as i32),
-        &PERIOD,
-        &invoice.amount_cents,
-        &invoice.worker,
-        &(invoice.token.0 as i64),
-    ];
-    let rows = tx.execute(insert, &params).await.map_err(pg_error)?;
-    tx.execute(
-        "INSERT INTO billing_progress (partition, last_customer) VALUES ($1, $2)
-         ON CONFLICT (partition) DO UPDATE SET last_customer = EXCLUDED.last_customer",
-        &[&(p.0 as i32), &(invoice.customer as i32)],
-    )
-    .await
-    .map_err(pg_error)?;
-    Ok(if rows == 1 { Billed::Inserted } else { Billed::AlreadyBilled })
+fn pg_error(e: tokio_postgres::Error) -> FenceError {
+    match e.as_db_error() {
+        Some(db) => FenceError::Backend(format!("{}: {}", db.code().code(), db.message())),
+        None => FenceError::Backend(e.to_string()),
+    }
 }
 
 /// The example's own schema, one per process so concurrent runs cannot disturb each other.
@@ -189,22 +316,20 @@ fn schema() -> String {
     format!("tenure_invoices_{}", std::process::id())
 }
 
-async fn pg_drop_schema(config: &str) -> Result<()> {
-    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls).await?;
+async fn pg_connect(config: &str) -> Result<tokio_postgres::Client> {
+    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls)
+        .await
+        .with_context(|| format!("connecting to PostgreSQL with {config:?}"))?;
     tokio::spawn(connection);
-    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", schema())).await?;
-    Ok(())
+    Ok(client)
 }
 
 /// Creates the example's schema afresh and returns a connection string that works inside it.
 async fn pg_prepare(config: &str, layers: Layers) -> Result<String> {
     let schema = schema();
-    let (client, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls)
-        .await
-        .with_context(|| format!("connecting to PostgreSQL with {config:?}"))?;
-    tokio::spawn(connection);
     let unique = if layers.unique_key { ", UNIQUE (customer_id, billing_period)" } else { "" };
-    client
+    pg_connect(config)
+        .await?
         .batch_execute(&format!(
             "DROP SCHEMA IF EXISTS {schema} CASCADE;
              CREATE SCHEMA {schema};
@@ -222,229 +347,86 @@ async fn pg_prepare(config: &str, layers: Layers) -> Result<String> {
              );"
         ))
         .await?;
-    Ok(format!("{config} options='-c search_path={schema}'"))
+    let database = format!("{config} options='-c search_path={schema}'");
+    // The fence's own table, made once here rather than by three billers at the same moment.
+    PostgresFence::connect(&database).await?;
+    Ok(database)
 }
 
-async fn pg_ledger(config: &str) -> Result<Ledger> {
-    let fence = PostgresFence::connect(config).await?;
-    let (plain, connection) = tokio_postgres::connect(config, tokio_postgres::NoTls).await?;
-    tokio::spawn(connection);
-    Ok(Ledger { fence: Arc::new(fence), plain: tokio::sync::Mutex::new(plain) })
+/// (invoices written, distinct customers invoiced for the month).
+async fn tally(client: &tokio_postgres::Client) -> Result<(u64, u64)> {
+    let row = client
+        .query_one("SELECT count(*), count(DISTINCT (customer_id, billing_period)) FROM invoices", &[])
+        .await?;
+    Ok((row.get::<_, i64>(0) as u64, row.get::<_, i64>(1) as u64))
 }
 
-/// What one worker did, counted.
-#[derive(Debug, Default, Clone, Copy)]
-struct Counts {
-    inserted: u64,
-    refused_by_unique_key: u64,
-    refused_by_fence: u64,
-    stopped_by_lease_check: u64,
-}
-
-struct Run {
-    start: Instant,
-    layers: Layers,
-    customers: BTreeMap<PartitionId, Vec<u32>>,
-}
-
-impl Run {
-    fn say(&self, line: String) {
-        println!("  t={:5.2}s {line}", self.start.elapsed().as_secs_f64());
-    }
-}
-
-/// A billing worker: takes the partitions it is assigned in order and bills their customers.
-struct Biller {
+/// Starts a biller on a thread and runtime of its own; it runs until `shutdown` fires, then
+/// waits for the billing jobs it handed off.
+fn start_biller(
     name: String,
-    /// `None` once the worker froze: its heartbeats stopped with it.
-    worker: Option<Worker>,
-    events: Events,
-    /// How to join again if the coordinator ends the session (say, the machine stalled for
-    /// longer than the TTL), as any long-running application must.
     config: WorkerConfig,
-    /// Partitions assigned and not yet lost or released.
-    held: Arc<AtomicU64>,
-    ledger: Ledger,
+    run: Arc<Run>,
     freezes: bool,
-    counts: Counts,
-}
-
-impl Biller {
-    /// Follows the worker's events from the moment it joined; bills only once `start` fires, so
-    /// the month begins on a settled assignment.
-    async fn run(
-        mut self,
-        run: Arc<Run>,
-        start: CancellationToken,
-        stop: CancellationToken,
-    ) -> Result<Counts> {
-        let mut queue: VecDeque<PartitionHandle> = VecDeque::new();
-        loop {
-            while let Some(event) = self.events.try_recv() {
-                self.on_event(event, &mut queue).await;
-            }
-            if start.is_cancelled() {
-                if let Some(handle) = queue.pop_front() {
-                    self.bill_partition(&run, handle).await?;
-                    continue;
-                }
-            }
-            tokio::select! {
-                event = self.events.recv() => match event {
-                    Some(event) => self.on_event(event, &mut queue).await,
-                    None => break, // a frozen worker hears nothing more
-                },
-                _ = start.cancelled(), if !start.is_cancelled() => {}
-                _ = stop.cancelled() => break,
-            }
-        }
-        if let Some(worker) = self.worker.take() {
-            worker.leave().await?;
-        }
-        Ok(self.counts)
-    }
-
-    async fn on_event(&mut self, event: WorkerEvent, queue: &mut VecDeque<PartitionHandle>) {
-        match event {
-            WorkerEvent::Granted(handle) => {
-                self.held.fetch_add(1, Ordering::SeqCst);
-                queue.push_back(handle)
-            }
-            WorkerEvent::Revoking { partition, .. } => {
-                queue.retain(|h| h.partition() != partition);
-                if let Some(worker) = &self.worker {
-                    // Not started yet, nothing to checkpoint. If the release fails the lease
-                    // runs out instead, which only delays the move.
-                    if let Err(e) = worker.release(&[partition]).await {
-                        eprintln!("{} could not release {partition}: {e}", self.name);
-                    }
-                }
-            }
-            WorkerEvent::Lost { partition, .. } | WorkerEvent::Released { partition, .. } => {
-                self.held.fetch_sub(1, Ordering::SeqCst);
-                queue.retain(|h| h.partition() != partition)
-            }
-            WorkerEvent::SessionEnded { reason } => {
-                // A frozen worker has already dropped its session and hears nothing more; a
-                // live one whose session the coordinator ended joins again under its name.
-                if self.worker.take().is_some() {
-                    eprintln!("{}'s session ended ({reason}); joining again", self.name);
-                    self.rejoin().await;
-                }
-            }
-        }
-    }
-
-    /// Joins again after the coordinator ended the session; the partitions come back through
-    /// the new session's events. Bounded: a worker that cannot join for a minute gives up.
-    async fn rejoin(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            match Worker::join(self.config.clone()).await {
-                Ok(mut worker) => {
-                    self.events = worker.events().expect("events taken once");
-                    self.worker = Some(worker);
-                    return;
-                }
-                Err(e) => {
-                    eprintln!("{} could not join again: {e}", self.name);
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                }
-            }
-        }
-    }
-
-    async fn bill_partition(&mut self, run: &Run, handle: PartitionHandle) -> Result<()> {
-        let (p, token, layers) = (handle.partition(), handle.token(), run.layers);
-        if layers.lease_checks && !handle.is_valid() {
-            self.counts.stopped_by_lease_check += 1;
-            run.say(format!("{} skips {p}: its lease is no longer valid", self.name));
-            return Ok(());
-        }
-        // Fence before resume: raising the fence is what makes the value that writes.
-        let pen = match layers.fencing {
-            true => handle.acquire(self.ledger.fence.clone()).await.map(Pen::Fenced),
-            false => Ok(Pen::Unfenced),
-        };
-        let resume = match pen {
-            Ok(pen) => self.ledger.resume(p, &pen).await.map(|resume| (pen, resume)),
-            Err(e) => Err(e),
-        };
-        let (pen, resume) = match resume {
-            Ok(resumed) => resumed,
-            Err(FenceError::Stale { highest, .. }) => {
-                self.counts.refused_by_fence += 1;
-                run.say(format!("{} REJECT resume of {p} token={token} (highest seen {highest})", self.name));
-                return Ok(());
-            }
-            Err(e) => return Err(e.into()),
-        };
-        let todo: Vec<u32> =
-            run.customers[&p].iter().copied().filter(|c| resume.is_none_or(|last| *c > last)).collect();
-        if todo.is_empty() {
-            return Ok(());
-        }
-        run.say(format!("{} bills {p} token={token}: {} customers to go", self.name, todo.len()));
-        for (done, customer) in todo.into_iter().enumerate() {
-            if layers.lease_checks && !handle.is_valid() {
-                self.counts.stopped_by_lease_check += 1;
-                run.say(format!("{} stops {p}: its lease is no longer valid", self.name));
-                return Ok(());
-            }
-            tokio::time::sleep(WORK_PER_INVOICE).await; // computing the invoice
-            if self.freezes && done == PAUSE_AFTER {
-                self.freeze(run, customer).await;
-            }
-            let invoice = Invoice {
-                customer,
-                amount_cents: 1_000 + i64::from(customer % 97) * 13,
-                worker: self.name.clone(),
-                token,
+    shutdown: CancellationToken,
+) -> std::thread::JoinHandle<Result<()>> {
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(async move {
+            let ledger = Ledger {
+                fence: Arc::new(PostgresFence::connect(&run.database).await?),
+                plain: pg_connect(&run.database).await?,
             };
-            match self.ledger.bill(p, &pen, invoice, layers).await {
-                Ok(Billed::Inserted) => self.counts.inserted += 1,
-                Ok(Billed::AlreadyBilled) => self.counts.refused_by_unique_key += 1,
-                Err(FenceError::Stale { highest, .. }) => {
-                    self.counts.refused_by_fence += 1;
-                    run.say(format!(
-                        "{} REJECT invoice of customer {customer} in {p} token={token} (highest seen {highest})",
-                        self.name
-                    ));
-                    return Ok(());
-                }
-                Err(e) => return Err(e.into()),
+            let biller = Arc::new(Biller {
+                name,
+                freezes: AtomicBool::new(freezes),
+                ledger,
+                run,
+                turn: tokio::sync::Semaphore::new(1),
+                jobs: Default::default(),
+            });
+            let handler = {
+                let biller = biller.clone();
+                move |assignment| biller.clone().partition(assignment)
+            };
+            Runner::new(config)
+                .rejoin_backoff(Duration::from_millis(50), Duration::from_millis(500))
+                .run(handler, shutdown.cancelled_owned())
+                .await?;
+            let jobs = std::mem::take(&mut *biller.jobs.lock().expect("jobs poisoned"));
+            for job in jobs {
+                let _ = job.await;
             }
-        }
-        Ok(())
-    }
-
-    /// A stop-the-world pause between deciding to bill `customer` and writing the invoice: the
-    /// heartbeats stop too, so the coordinator expires the session after the TTL.
-    async fn freeze(&mut self, run: &Run, customer: u32) {
-        self.freezes = false;
-        if let Some(worker) = self.worker.take() {
-            worker.abandon();
-        }
-        run.say(format!(
-            "{} freezes for {:.1}s just before writing customer {customer}'s invoice",
-            self.name,
-            PAUSE.as_secs_f64()
-        ));
-        tokio::time::sleep(PAUSE).await;
-        run.say(format!("{} wakes up and carries on", self.name));
-    }
+            Ok(())
+        })
+    })
 }
 
-/// Waits until every worker owns its share, so the month starts on a settled assignment.
-async fn settled(held: &[Arc<AtomicU64>]) -> Result<()> {
+/// Waits until three sessions own four partitions each, none moving; a biller that ended
+/// before then says why.
+async fn settled(
+    cluster: &LocalCluster,
+    billers: &mut Vec<std::thread::JoinHandle<Result<()>>>,
+) -> Result<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let counts: Vec<u64> = held.iter().map(|n| n.load(Ordering::SeqCst)).collect();
-        if counts.iter().all(|n| *n == u64::from(PARTITIONS) / held.len() as u64) {
-            return Ok(());
+        if let Some(ended) = billers.iter().position(|b| b.is_finished()) {
+            let result = billers.remove(ended).join().map_err(|_| anyhow::anyhow!("a biller panicked"))?;
+            return result
+                .context("a biller stopped before the month began")
+                .and(Err(anyhow::anyhow!("a biller stopped")));
+        }
+        if let Ok(status) = cluster.status().await {
+            let mut owned: BTreeMap<u64, u32> = BTreeMap::new();
+            for row in status.partitions.iter().filter(|r| r.owner != 0 && !r.revoking) {
+                *owned.entry(row.owner).or_default() += 1;
+            }
+            if owned.len() == 3 && owned.values().all(|n| *n == PARTITIONS / 3) {
+                return Ok(());
+            }
         }
         if Instant::now() > deadline {
-            bail!("assignment did not settle: {counts:?}");
+            bail!("the assignment did not settle");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -454,7 +436,7 @@ struct Outcome {
     layers: Layers,
     invoices: u64,
     customers_billed: u64,
-    counts: Counts,
+    run: Arc<Run>,
 }
 
 async fn run(layers: Layers, postgres: &str) -> Result<Outcome> {
@@ -481,41 +463,31 @@ async fn run(layers: Layers, postgres: &str) -> Result<Outcome> {
         let p = keyspace.partition_of_key(format!("customer-{c}").as_bytes());
         customers.get_mut(&p).expect("partition in range").push(c);
     }
-
-    let database = pg_prepare(postgres, layers).await?;
-
-    let run = Arc::new(Run { start: Instant::now(), layers, customers });
-    let (start, stop) = (CancellationToken::new(), CancellationToken::new());
-    let mut tasks = Vec::new();
-    let mut owned = Vec::new();
-    for i in 0..3 {
-        let name = format!("w{}", i + 1);
-        let config = cluster.worker_config(&name);
-        let mut worker = Worker::join(config.clone()).await?;
-        let biller = Biller {
-            name,
-            events: worker.events().expect("events taken once"),
-            config,
-            held: Arc::new(AtomicU64::new(0)),
-            worker: Some(worker),
-            ledger: pg_ledger(&database).await?,
-            freezes: i == 1,
-            counts: Counts::default(),
-        };
-        owned.push(biller.held.clone());
-        tasks.push(tokio::spawn(biller.run(run.clone(), start.clone(), stop.clone())));
-    }
-    settled(&owned).await?;
+    let run = Arc::new(Run {
+        start: Instant::now(),
+        layers,
+        customers,
+        month_begins: CancellationToken::new(),
+        counts: Counts::default(),
+        database: pg_prepare(postgres, layers).await?,
+    });
+    let shutdown = CancellationToken::new();
+    let mut billers: Vec<_> = (1..=3)
+        .map(|i| {
+            let name = format!("w{i}");
+            let config = cluster.worker_config(&name);
+            start_biller(name, config, run.clone(), i == 2, shutdown.clone())
+        })
+        .collect();
+    settled(&cluster, &mut billers).await?;
     run.say("the month's billing starts".into());
-    start.cancel();
-    let frozen = tasks.remove(1);
-    let mut counts = frozen.await??;
+    run.month_begins.cancel();
 
-    // The month is done when every customer has an invoice; then the others stop.
-    let tally = pg_ledger(&database).await?;
+    // The month is done when every customer has an invoice; then the billers stop.
+    let ledger = pg_connect(&run.database).await?;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let (_, billed) = tally.tally().await?;
+        let (_, billed) = tally(&ledger).await?;
         if billed == u64::from(CUSTOMERS) {
             break;
         }
@@ -524,21 +496,19 @@ async fn run(layers: Layers, postgres: &str) -> Result<Outcome> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.cancel();
-    for task in tasks {
-        let c = task.await??;
-        counts.inserted += c.inserted;
-        counts.refused_by_fence += c.refused_by_fence;
-        counts.refused_by_unique_key += c.refused_by_unique_key;
-        counts.stopped_by_lease_check += c.stopped_by_lease_check;
+    shutdown.cancel();
+    for biller in billers {
+        tokio::task::spawn_blocking(move || biller.join())
+            .await?
+            .map_err(|_| anyhow::anyhow!("a biller panicked"))??;
     }
-    let (invoices, customers_billed) = tally.tally().await?;
+    let (invoices, customers_billed) = tally(&ledger).await?;
     println!(
         "  {invoices} invoices for {customers_billed} customers: {} duplicates\n",
         invoices - customers_billed
     );
     cluster.shutdown().await;
-    Ok(Outcome { layers, invoices, customers_billed, counts })
+    Ok(Outcome { layers, invoices, customers_billed, run })
 }
 
 fn on_off(b: bool) -> &'static str {
@@ -558,7 +528,7 @@ async fn main() -> Result<()> {
         _ => bail!("usage: invoices [--postgres <libpq connection string>]"),
     };
     println!(
-        "{CUSTOMERS} customers in {PARTITIONS} partitions, 3 workers, lease TTL {} ms, one worker frozen for {} ms; store: PostgreSQL\n",
+        "{CUSTOMERS} customers in {PARTITIONS} partitions, 3 billers on the runner, lease TTL {} ms, one frozen for {} ms; store: PostgreSQL\n",
         TTL.as_millis(),
         PAUSE.as_millis(),
     );
@@ -577,37 +547,42 @@ async fn main() -> Result<()> {
             }
         }
     }
-    pg_drop_schema(&postgres).await?;
+    pg_connect(&postgres)
+        .await?
+        .batch_execute(&format!("DROP SCHEMA IF EXISTS {} CASCADE", schema()))
+        .await?;
     if let Some(e) = failed {
         return Err(e);
     }
 
-    println!("lease checks  fencing  unique key | invoices  duplicates | refused: by fence  by unique key | stopped by lease check");
+    println!(
+        "lease checks  fencing  unique key | invoices  duplicates | refused: by fence  by unique key | stopped: by lease check  by runner"
+    );
     for o in &outcomes {
+        let c = &o.run.counts;
         println!(
-            "{:<12}  {:<7}  {:<10} | {:>8}  {:>10} | {:>17}  {:>13} | {:>22}",
+            "{:<12}  {:<7}  {:<10} | {:>8}  {:>10} | {:>17}  {:>13} | {:>22}  {:>9}",
             on_off(o.layers.lease_checks),
             on_off(o.layers.fencing),
             on_off(o.layers.unique_key),
             o.invoices,
             o.invoices - o.customers_billed,
-            o.counts.refused_by_fence,
-            o.counts.refused_by_unique_key,
-            o.counts.stopped_by_lease_check,
+            c.refused_by_fence.load(Ordering::SeqCst),
+            c.refused_by_unique_key.load(Ordering::SeqCst),
+            c.stopped_by_lease_check.load(Ordering::SeqCst),
+            c.aborted_by_runner.load(Ordering::SeqCst),
         );
     }
     let duplicates = |o: &Outcome| o.invoices - o.customers_billed;
-    let none = &outcomes[0];
-    let all = &outcomes[7];
-    if duplicates(none) == 0 {
+    if duplicates(&outcomes[0]) == 0 {
         bail!("the unprotected run produced no duplicates: the pause did not overlap the takeover");
     }
-    if duplicates(all) != 0 {
-        bail!("with all three layers there were {} duplicates", duplicates(all));
+    if duplicates(&outcomes[7]) != 0 {
+        bail!("with all three layers there were {} duplicates", duplicates(&outcomes[7]));
     }
     println!(
         "\nplain lock with a TTL shorter than the job: {} duplicates; all three layers: 0",
-        duplicates(none)
+        duplicates(&outcomes[0])
     );
     Ok(())
 }
