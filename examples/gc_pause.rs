@@ -1,9 +1,10 @@
-//! The GC-pause story on the real system: a 3-node coordinator in this process, two workers and
-//! a store, with a short real TTL. Worker A owns the partition and writes batch-1, then freezes
-//! (its heartbeats stop, as in a stop-the-world pause) past its TTL. B is granted the partition
-//! with a higher token and writes batch-2. A wakes, does not look at the clock, and writes
-//! batch-1-late with the token it had. Without fencing, A's late write wins; with fencing, the
-//! store rejects it.
+//! The GC-pause story on the real system: a 3-node coordinator in this process, two workers on
+//! the runner and a store, with a short real TTL. Worker A owns the partition and writes
+//! batch-1, then freezes mid-task past its TTL: A runs on a thread and runtime of its own, and
+//! the pause blocks that thread, so its heartbeats stop with it, as in a stop-the-world pause.
+//! B is granted the partition with a higher token and writes batch-2. A wakes, goes on where it
+//! stopped before its runner hears that the lease is gone, and writes batch-1-late with the
+//! pen it had. Without fencing, A's late write wins; with fencing, the store rejects it.
 //!
 //! Run: `cargo run --example gc_pause`
 
@@ -14,8 +15,9 @@ use std::time::{Duration, Instant};
 use tenure::fence::{FenceStore, MemoryFence};
 use tenure::ids::{FencingToken, PartitionId};
 use tenure::local_cluster::LocalCluster;
-use tenure::worker::{Fenced, PartitionHandle, Runner, Worker, WorkerEvent};
+use tenure::worker::{Assignment, Fenced, PartitionHandle, Runner};
 use tokio::sync::oneshot;
+use tokio_util::sync::CancellationToken;
 
 const TTL: Duration = Duration::from_millis(1000);
 const KEY: &[u8] = b"account-42";
@@ -79,15 +81,50 @@ impl Story {
     }
 }
 
-async fn first_assignment(worker: &mut Worker) -> Result<PartitionHandle> {
-    let mut events = worker.events().context("events taken")?;
-    loop {
-        match tokio::time::timeout(Duration::from_secs(30), events.recv()).await.context("no assignment")? {
-            Some(WorkerEvent::Granted(h)) => return Ok(h),
-            Some(_) => continue,
-            None => bail!("worker stopped"),
-        }
-    }
+/// A's runner, on a thread and runtime of its own (A's "machine"): its one task writes
+/// batch-1, then stops the whole thread, heartbeats included, until B has written; then it
+/// writes batch-1-late with the pen it had, without looking at the lease.
+fn start_a(
+    story: Arc<Story>,
+    config: tenure::worker::WorkerConfig,
+    paused: oneshot::Sender<Instant>,
+    b_wrote: std::sync::mpsc::Receiver<()>,
+    done: oneshot::Sender<()>,
+    stop: CancellationToken,
+) -> std::thread::JoinHandle<Result<()>> {
+    let once = Arc::new(Mutex::new(Some((paused, b_wrote, done))));
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        runtime.block_on(async move {
+            let handler = move |assignment: Assignment| {
+                let (story, once) = (story.clone(), once.clone());
+                async move {
+                    let Some((paused, b_wrote, done)) = once.lock().unwrap().take() else {
+                        assignment.stopped().await; // granted again later: nothing more to tell
+                        return Ok(());
+                    };
+                    let pen = Pen::new(&story, assignment.handle()).await?;
+                    story.write("A", &pen, "batch-1").await?;
+                    println!(
+                        "t={:5.2}s A pauses (stop-the-world), holding token={}",
+                        story.start.elapsed().as_secs_f64(),
+                        assignment.token()
+                    );
+                    let _ = paused.send(Instant::now());
+                    // The pause: this thread stops, and A's heartbeats with it.
+                    b_wrote.recv_timeout(Duration::from_secs(30)).context("B never wrote")?;
+                    // Awake, A goes on where it stopped, before its runner hears that the lease is gone.
+                    println!("t={:5.2}s A wakes up and carries on", story.start.elapsed().as_secs_f64());
+                    story.write("A", &pen, "batch-1-late").await?;
+                    let _ = done.send(());
+                    assignment.stopped().await;
+                    Ok::<(), anyhow::Error>(())
+                }
+            };
+            Runner::new(config).run(handler, stop.cancelled_owned()).await?;
+            Ok(())
+        })
+    })
 }
 
 async fn run(fencing: bool) -> Result<String> {
@@ -108,26 +145,19 @@ async fn run(fencing: bool) -> Result<String> {
         fenced: Arc::new(MemoryFence::default()),
     });
 
-    // A is the naive program: it holds on to what it was given and never looks again.
-    let mut a = Worker::join(cluster.worker_config("A")).await?;
-    let a_handle = first_assignment(&mut a).await?;
-    let a_pen = Pen::new(&story, &a_handle).await?;
-    story.write("A", &a_pen, "batch-1").await?;
+    // A owns the partition first, writes, and is paused in the middle of its task.
+    let (paused, a_paused) = oneshot::channel();
+    let (wrote, b_wrote) = std::sync::mpsc::channel::<()>();
+    let (done, a_done) = oneshot::channel();
+    let stop_a = CancellationToken::new();
+    let a = start_a(story.clone(), cluster.worker_config("A"), paused, b_wrote, done, stop_a.clone());
+    let paused = tokio::time::timeout(Duration::from_secs(30), a_paused).await.context("A never wrote")??;
 
-    let paused = Instant::now();
-    a.abandon(); // A freezes: no more heartbeats, but its code still holds its pen.
-    println!(
-        "t={:5.2}s A pauses (stop-the-world), holding token={}",
-        story.start.elapsed().as_secs_f64(),
-        a_handle.token()
-    );
-
-    // B is written the way the library means: a runner, one task per partition.
-    let (wrote, b_wrote) = oneshot::channel::<()>();
+    // B joins while A is paused; once A's lease has run out, B's task is granted the partition.
     let wrote = Arc::new(Mutex::new(Some(wrote)));
-    let (stop_b, b_stopped) = oneshot::channel::<()>();
+    let stop_b = CancellationToken::new();
     let b = {
-        let (story, wrote) = (story.clone(), wrote.clone());
+        let story = story.clone();
         let runner = Runner::new(cluster.worker_config("B"));
         tokio::spawn(runner.run(
             move |assignment| {
@@ -148,15 +178,10 @@ async fn run(fencing: bool) -> Result<String> {
                     Ok::<(), anyhow::Error>(())
                 }
             },
-            async {
-                let _ = b_stopped.await;
-            },
+            stop_b.clone().cancelled_owned(),
         ))
     };
-    tokio::time::timeout(Duration::from_secs(30), b_wrote).await.context("B never wrote")??;
-
-    println!("t={:5.2}s A wakes up and carries on", story.start.elapsed().as_secs_f64());
-    story.write("A", &a_pen, "batch-1-late").await?;
+    tokio::time::timeout(Duration::from_secs(30), a_done).await.context("A never woke")??;
 
     let value = story.value().await?;
     println!("final value: {value}");
@@ -165,8 +190,10 @@ async fn run(fencing: bool) -> Result<String> {
         println!("highest token seen by the store: {}", highest.unwrap_or(FencingToken(0)));
     }
     println!();
-    let _ = stop_b.send(());
+    stop_a.cancel();
+    stop_b.cancel();
     b.await??;
+    tokio::task::spawn_blocking(move || a.join()).await?.map_err(|_| anyhow::anyhow!("A panicked"))??;
     cluster.shutdown().await;
     Ok(value)
 }
