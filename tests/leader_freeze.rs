@@ -26,6 +26,7 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
         election_timeout: Duration::from_millis(300),
         snapshot_after_logs: 1000,
         insecure: false,
+        status_pages: false,
     };
     let mut c = ProcessCluster::start(3, dir.path(), settings).await.expect("three serve processes");
     c.wait_for_leader(PATIENCE).await.expect("a leader");

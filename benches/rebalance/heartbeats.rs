@@ -129,6 +129,7 @@ pub(crate) async fn renewal_cpu(
         snapshot_after_logs: 5000,
         // As etcd's members here: no TLS on either side.
         insecure: true,
+        status_pages: false,
     };
     let mut cluster = ProcessCluster::start(3, dir.path(), settings).await?;
     let leader = cluster.wait_for_leader(Duration::from_secs(20)).await.context("no leader")?;

@@ -29,7 +29,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run one coordinator node.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Start a 3-node cluster and a few workers in this process and narrate what happens.
     Demo(DemoArgs),
     /// Inspect and operate a running cluster (members, endpoints, sessions, partitions, drain, watch).
@@ -173,6 +173,10 @@ struct ServeArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long, env = "TENURE_METRICS_LISTEN")]
     metrics_listen: Option<SocketAddr>,
+    /// Serve the status page (the partition map, sessions, nodes, recent decisions) over HTTP
+    /// on this address; with TLS on, over HTTPS to operators' certificates only.
+    #[arg(long, env = "TENURE_STATUS_LISTEN")]
+    status_listen: Option<SocketAddr>,
     /// How often, in milliseconds, the per-worker gauges are set again; a worker's series is
     /// dropped from the metrics three periods after its session ends.
     #[arg(long, env = "TENURE_GAUGE_REFRESH_MS", default_value_t = 10_000)]
@@ -398,7 +402,7 @@ async fn main() -> Result<()> {
         false => logs.init(),
     }
     match cli.command {
-        Command::Serve(args) => serve(args).await,
+        Command::Serve(args) => serve(*args).await,
         Command::Demo(args) => {
             demo::run(args.partitions, Duration::from_millis(args.lease_ttl_ms), &mut std::io::stdout()).await
         }
@@ -552,8 +556,22 @@ async fn serve(args: ServeArgs) -> Result<()> {
     };
     let listeners =
         server::Listeners { peers: bind(listen_peers).await?, clients: bind(listen_clients).await? };
+    let status_page = match args.status_listen {
+        Some(addr) => Some(bind(addr).await.context("binding the status page's address")?),
+        None => None,
+    };
     let node = server::start(config, listeners).await?;
     tracing::info!(clients = %node.addr, peers = %node.peer_addr, "serving");
+    if let Some(listener) = status_page {
+        let addr = listener.local_addr()?;
+        let page = server::status_page::serve(node.node.clone(), listener, Default::default());
+        tokio::spawn(async move {
+            if let Err(e) = page.await {
+                tracing::error!(error = %e, "the status page stopped");
+            }
+        });
+        tracing::info!(%addr, "status page");
+    }
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("listening for SIGTERM")?;
     let signal = tokio::select! {

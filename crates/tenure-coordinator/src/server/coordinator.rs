@@ -611,7 +611,7 @@ impl Coordinator for CoordinatorService {
 
 /// What `Status` answers, read from this node's applied state (and, on the leader, its lease
 /// table): the state first, then the leases, never both locks at once.
-fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::StatusResponse {
+pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::StatusResponse {
     let limit = match req.limit {
         0 => STATUS_ROWS_PER_PAGE,
         n => n.min(STATUS_ROWS_PER_PAGE),

@@ -378,6 +378,7 @@ pub(crate) async fn run_renewals(
                         .unwrap_or(CoordinatorError::Unavailable("leadership is changing; retry".into()))),
                     Some(Leadership { table, .. }) => {
                         if table.renew(r.session, r.received) {
+                            node.renewals_confirmed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             wanted.insert(r.session, Vec::new());
                             Ok(())
                         } else {

@@ -21,6 +21,7 @@ pub mod health;
 mod leader;
 pub mod operator;
 mod raft_service;
+pub mod status_page;
 mod telemetry;
 
 pub use admission::JoinLimits;
@@ -258,6 +259,8 @@ pub struct Node {
     /// `Some` only while this node is the leader and has reset the table for its term.
     pub(crate) leases: Mutex<Option<leader::Leadership>>,
     pub(crate) renewals: mpsc::Sender<PendingRenewal>,
+    /// Renewals this node confirmed while leading, ever (the status page shows their rate).
+    pub(crate) renewals_confirmed: std::sync::atomic::AtomicU64,
     /// Fires when the node stops; every task that holds the node watches it, so the store (and
     /// its file lock) is released on shutdown.
     pub(crate) stopping: CancellationToken,
@@ -571,6 +574,7 @@ where
         sm,
         leases: Mutex::new(None),
         renewals,
+        renewals_confirmed: Default::default(),
         stopping: cancel.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),

@@ -540,6 +540,7 @@ pub async fn run(config: &NemesisConfig, dir: &Path) -> Result<Outcome, NemesisE
                 election_timeout: config.election_timeout,
                 snapshot_after_logs,
                 insecure: false,
+                status_pages: false,
             };
             Coordinators::Processes(ProcessCluster::start(config.nodes, dir, settings).await?)
         }

@@ -34,6 +34,9 @@ pub struct ServeSettings {
     /// Run the nodes with `--insecure` (plain text, nobody authenticated) instead of with the
     /// run's certificates; for benchmarks against baselines that run without TLS.
     pub insecure: bool,
+    /// Serve each node's status page (`--status-listen`) on its own address; see
+    /// [`ProcessCluster::status_page`].
+    pub status_pages: bool,
 }
 
 /// Why a process could not be started.
@@ -85,6 +88,8 @@ pub struct ProcessCluster {
     children: BTreeMap<NodeId, Option<Child>>,
     /// Where each node listens (its own loopback address, fixed ports): peers, clients.
     listen: BTreeMap<NodeId, (SocketAddr, SocketAddr)>,
+    /// Where each node serves its status page, when the settings ask for one.
+    status_pages: BTreeMap<NodeId, SocketAddr>,
     /// What peers and workers dial: the proxies (peers, clients).
     addrs: BTreeMap<NodeId, (SocketAddr, SocketAddr)>,
     proxies: BTreeMap<NodeId, FaultProxy>,
@@ -116,6 +121,7 @@ impl ProcessCluster {
             dir: dir.to_path_buf(),
             children: BTreeMap::new(),
             listen: BTreeMap::new(),
+            status_pages: BTreeMap::new(),
             addrs: BTreeMap::new(),
             proxies: BTreeMap::new(),
             ttl_flags: BTreeMap::new(),
@@ -130,6 +136,9 @@ impl ProcessCluster {
                 probe.local_addr().map_err(io("choosing a port"))
             };
             let listen = (free_port()?, free_port()?);
+            if cluster.settings.status_pages {
+                cluster.status_pages.insert(id, free_port()?);
+            }
             let front = (Ipv4Addr::LOCALHOST, 0).into();
             let mut proxy = FaultProxy::start(front, listen.0).await.map_err(io("starting a proxy"))?;
             let client_addr = proxy.forward_also(front, listen.1).await.map_err(io("starting a proxy"))?;
@@ -184,6 +193,7 @@ impl ProcessCluster {
             .arg("--keep-whole-log")
             .args(["--placement-ring-seed", &self.rules(id).to_string()])
             .args(self.tls_args(id))
+            .args(self.status_pages.get(&id).map(|a| format!("--status-listen={a}")))
             .env("RUST_LOG", "info,openraft=warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -232,6 +242,12 @@ impl ProcessCluster {
     /// Every node's client address (its proxy), for workers and operators.
     pub fn addrs(&self) -> Vec<String> {
         self.addrs.values().map(|(_, client)| client.to_string()).collect()
+    }
+
+    /// Where node `id` serves its status page, if it serves one (directly, not through its
+    /// proxy).
+    pub fn status_page(&self, id: NodeId) -> Option<SocketAddr> {
+        self.status_pages.get(&id).copied()
     }
 
     pub fn proxy(&self, id: NodeId) -> Option<&FaultProxy> {
