@@ -162,20 +162,8 @@ async fn the_status_page_shows_the_table_the_leader_and_a_leave_as_it_happens() 
     let c = ProcessCluster::start(3, dir.path(), settings).await.expect("three serve processes");
     c.wait_for_leader(PATIENCE).await.expect("a leader");
     // Workers on the runner, whose tasks idle until told to stop: revokes are answered.
-    let mut workers = Vec::new();
-    for name in ["indexer-a", "indexer-b", "indexer-c"] {
-        let runner = Runner::new(c.worker_config(name));
-        let status = runner.status();
-        let stop = tokio_util::sync::CancellationToken::new();
-        let run = tokio::spawn(runner.run(
-            |a: Assignment| async move {
-                a.stopped().await;
-                Ok::<(), std::convert::Infallible>(())
-            },
-            stop.clone().cancelled_owned(),
-        ));
-        workers.push((status, stop, run));
-    }
+    let mut workers: Vec<_> =
+        ["indexer-a", "indexer-b", "indexer-c"].map(|name| idle_runner(&c, name)).into();
     eventually("three workers own four partitions each", || async {
         let status = c.status().await?;
         let balanced = status.sessions.len() == 3 && status.sessions.iter().all(|s| s.owned == 4);
@@ -197,9 +185,8 @@ async fn the_status_page_shows_the_table_the_leader_and_a_leave_as_it_happens() 
 
     // The first worker leaves: the page, without a reload, hands its ranges to the others.
     let left = Instant::now();
-    let (_, stop, run) = workers.remove(0);
+    let (_, stop) = workers.remove(0);
     stop.cancel();
-    run.await.expect("no panic").expect("the runner leaves cleanly");
     let gone = eventually("the leaver's ranges change hands on the page", || async {
         let shown = shown(&browser).await?;
         let owners = owners_on_page(&shown)?;
@@ -333,4 +320,74 @@ async fn with_tls_on_the_status_page_answers_operators_only() {
     let again =
         https_get(addr, &ca.ca_pem(), Some((&operator.cert_pem, &operator.key_pem)), "/status.json").await;
     assert!(again.is_ok_and(|a| a.starts_with("HTTP/1.1 200")));
+}
+
+/// Workers on the runner whose tasks idle until told to stop, each with its stop switch.
+fn idle_runner(
+    c: &ProcessCluster,
+    name: &str,
+) -> (tenure::worker::RunnerStatus, tokio_util::sync::CancellationToken) {
+    let runner = Runner::new(c.worker_config(name));
+    let status = runner.status();
+    let stop = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(runner.run(
+        |a: Assignment| async move {
+            a.stopped().await;
+            Ok::<(), std::convert::Infallible>(())
+        },
+        stop.clone().cancelled_owned(),
+    ));
+    (status, stop)
+}
+
+/// A table too large to draw partition by partition: the page shows the node's aggregation, at
+/// most 2,048 ranges covering it, each with the owner of most of its partitions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_table_is_drawn_as_a_bounded_number_of_ranges_with_their_majority_owners() {
+    init_tracing();
+    let Some((_driver, driver_url)) = chromedriver().await else {
+        println!(
+            "SKIPPED: no chromedriver (install Debian's chromium and chromium-driver; scripts/setup does)"
+        );
+        return;
+    };
+    const LARGE: u32 = 20_000;
+    let dir = tempfile::tempdir().unwrap();
+    let mut settings = with_status_pages(true);
+    settings.partition_count = LARGE;
+    settings.lease_ttl = Duration::from_secs(5);
+    let c = ProcessCluster::start(1, dir.path(), settings).await.expect("a serve process");
+    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let _workers = [idle_runner(&c, "indexer-a"), idle_runner(&c, "indexer-b")];
+    // Counts only while waiting; the whole table once, when it has settled.
+    let counts = tenure::proto::StatusRequest { omit_partitions: true, ..Default::default() };
+    eventually("two workers share the table", || async {
+        let status = c.client().read_status(counts.clone(), None).await.ok()?;
+        let shared = status.sessions.len() == 2 && status.sessions.iter().all(|s| s.owned > 0);
+        (shared && status.revoking == 0 && status.unowned == 0).then_some(())
+    })
+    .await;
+    let owners = owners_in_table(&eventually("the whole table", || c.status()).await);
+
+    let browser = headless_chromium(&driver_url).await;
+    browser.goto(&format!("http://{}/", c.status_page(1).expect("on"))).await.expect("the page loads");
+    let shown = eventually("the page draws the whole table", || async {
+        let shown = shown(&browser).await?;
+        (shown.regions.first()?.first == 0 && shown.regions.last()?.last == LARGE - 1).then_some(shown)
+    })
+    .await;
+    assert!(shown.regions.len() <= 2048, "{} shapes", shown.regions.len());
+    for pair in shown.regions.windows(2) {
+        assert_eq!(pair[0].last + 1, pair[1].first, "ranges are contiguous");
+    }
+    for r in &shown.regions {
+        let mut count: BTreeMap<u64, usize> = BTreeMap::new();
+        for p in r.first..=r.last {
+            *count.entry(owners[&p]).or_default() += 1;
+        }
+        // The most partitions; on a tie, the smaller session id.
+        let most = count.iter().max_by_key(|(id, n)| (**n, std::cmp::Reverse(**id))).map(|(id, _)| *id);
+        assert_eq!(Some(r.owner), most, "p{}-p{}: {count:?}", r.first, r.last);
+    }
+    browser.close().await.expect("the browser closes");
 }

@@ -171,6 +171,15 @@ pub fn state_machine_scale(table: &mut Table, partitions: u32, workers: usize) -
         format!("{:.1} ms", ms(idle)),
     );
 
+    // The status page's map of the whole table, which a page open on a node reads every 2 s.
+    let t = Instant::now();
+    let ranges = tenure::server::status_page::aggregate(&state, partitions);
+    let json = serde_json::to_string(&ranges)?;
+    table.figure(
+        format!("{label}: status page map ({} ranges, {} KiB of JSON)", ranges.len(), json.len() / 1024),
+        format!("{:.1} ms", ms(t.elapsed())),
+    );
+
     // A crash: the expiry takes the session's partitions, the leader grants them elsewhere.
     let victim = *state.sessions().keys().next().context("a session")?;
     index += 1;

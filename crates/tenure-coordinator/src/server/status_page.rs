@@ -103,21 +103,22 @@ impl From<&proto::PartitionRow> for Row {
     }
 }
 
-/// An aggregated range of a large table.
+/// An aggregated range of a large table, as the page draws it.
 #[derive(Clone, Debug, Serialize)]
-struct Bucket {
-    first: u32,
-    last: u32,
+pub struct Range {
+    pub first: u32,
+    pub last: u32,
     /// The session owning most of it (0: most of it is unowned), and its share of the range.
-    owner: u64,
-    share: f64,
-    revoking: bool,
-    next: u64,
-    token_min: u64,
-    token_max: u64,
+    pub owner: u64,
+    pub share: f64,
+    /// Whether any partition in it is revoking, and where the first of those goes.
+    pub revoking: bool,
+    pub next: u64,
+    pub token_min: u64,
+    pub token_max: u64,
     /// Where its hashes start, and where the next range's start (hex).
-    hash_start: String,
-    hash_end: String,
+    pub hash_start: String,
+    pub hash_end: String,
     lease_remaining_ms: Option<u64>,
 }
 
@@ -164,7 +165,7 @@ struct View {
     /// Where each partition's hashes start (and, last, where the key space ends), with `partitions`.
     hashes: Option<Vec<String>>,
     /// The aggregated ranges of a larger table.
-    buckets: Vec<Bucket>,
+    buckets: Vec<Range>,
     recent: Vec<Decision>,
 }
 
@@ -252,8 +253,9 @@ fn view(node: &Node, recent: &Mutex<VecDeque<Decision>>) -> View {
     }
 }
 
-/// Cuts a large table into at most [`MAX_BUCKETS`] ranges of neighbouring partitions.
-fn aggregate(state: &crate::ownership::OwnershipState, count: u32) -> Vec<Bucket> {
+/// Cuts a large table into at most [`MAX_BUCKETS`] ranges of neighbouring partitions, each
+/// with its majority owner: what the page draws for a table above [`EXACT_LIMIT`].
+pub fn aggregate(state: &crate::ownership::OwnershipState, count: u32) -> Vec<Range> {
     let Ok(keyspace) = KeySpace::new(count.max(1)) else { return Vec::new() };
     let rows = state.partitions();
     let size = rows.len().div_ceil(MAX_BUCKETS).max(1);
@@ -270,7 +272,7 @@ fn aggregate(state: &crate::ownership::OwnershipState, count: u32) -> Vec<Bucket
             let first = (i * size) as u32;
             let last = first + chunk.len() as u32 - 1;
             let moving = chunk.iter().find(|r| r.revoking);
-            Bucket {
+            Range {
                 first,
                 last,
                 owner,
@@ -582,8 +584,8 @@ mod tests {
             assert_eq!(pair[0].hash_end, pair[1].hash_start, "hashes too");
         }
         assert_eq!(buckets.last().unwrap().hash_end, "0x10000000000000000");
-        let whole = |b: &Bucket| b.owner == sessions[0].0 && b.share == 1.0;
-        let mixed = |b: &Bucket| (b.owner == sessions[1].0 || b.owner == sessions[2].0) && b.share < 0.6;
+        let whole = |b: &Range| b.owner == sessions[0].0 && b.share == 1.0;
+        let mixed = |b: &Range| (b.owner == sessions[1].0 || b.owner == sessions[2].0) && b.share < 0.6;
         assert!(buckets.iter().filter(|b| b.last < count / 2).all(whole));
         assert!(buckets.iter().filter(|b| b.first >= count / 2).all(mixed));
     }
