@@ -85,7 +85,7 @@ impl Drop for AbortWatch<'_> {
         if self.armed {
             count(&self.run.counts.aborted_by_runner);
             self.run.say(format!(
-                "{}'s runner aborts its task for {}: the partition was lost",
+                "{}'s runner aborts its task for {}: the partition was lost, or the session with it",
                 self.name, self.partition
             ));
         }

@@ -163,7 +163,7 @@ async fn the_status_page_shows_the_table_the_leader_and_a_leave_as_it_happens() 
     c.wait_for_leader(PATIENCE).await.expect("a leader");
     // Workers on the runner, whose tasks idle until told to stop: revokes are answered.
     let mut workers: Vec<_> =
-        ["indexer-a", "indexer-b", "indexer-c"].map(|name| idle_runner(&c, name)).into();
+        ["indexer-a", "indexer-b", "indexer-<i>c</i>"].map(|name| idle_runner(&c, name)).into();
     eventually("three workers own four partitions each", || async {
         let status = c.status().await?;
         let balanced = status.sessions.len() == 3 && status.sessions.iter().all(|s| s.owned == 4);
@@ -178,6 +178,16 @@ async fn the_status_page_shows_the_table_the_leader_and_a_leave_as_it_happens() 
     let browser = headless_chromium(&driver_url).await;
     browser.goto(&format!("http://{page}/")).await.expect("the page loads");
     let before = page_matches_table(&browser, &c, "the page shows the table and the leader").await;
+    // A worker's name is shown as text, never as markup.
+    let names = browser
+        .execute(
+            "const t = document.querySelector('#sessions tbody'); return [t.textContent, t.querySelectorAll('i').length];",
+            vec![],
+        )
+        .await
+        .expect("the sessions table");
+    assert!(names[0].as_str().is_some_and(|t| t.contains("indexer-<i>c</i>")), "{names}");
+    assert_eq!(names[1].as_u64(), Some(0), "a name became markup: {names}");
     let leaving = workers[0].0.now().session.expect("the first worker serves a session");
     let applied_before = applied_events(&browser).await;
     assert!(before.regions.iter().any(|r| r.owner == leaving.0), "{before:?}");

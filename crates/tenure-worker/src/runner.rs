@@ -263,6 +263,11 @@ impl Runner {
     /// it was told to stop. Errors that waiting will not cure end the run: a bad coordinator
     /// address, a refused name or certificate, a configuration the cluster rejects, a cluster
     /// at its session limit. Everything else (no leader, a session that expired) is retried.
+    ///
+    /// Dropping this future instead of resolving `shutdown` is a crash of the runner, not a
+    /// shutdown: the tasks are aborted, not awaited, and the worker then leaves in the
+    /// background, so a task busy on another thread may finish its current poll after the
+    /// leave went out. Fencing is what covers that straggler.
     pub async fn run<H, Fut, E>(
         self,
         handler: H,
@@ -373,6 +378,9 @@ struct Slot {
 
 /// One session's tasks.
 struct Session<H> {
+    /// Dropped first (fields drop in order): a dropped run aborts its tasks before the worker
+    /// goes and leaves. Aborting does not wait; see [`Runner::run`].
+    tasks: JoinSet<()>,
     worker: Arc<Worker>,
     status: Arc<watch::Sender<RunnerState>>,
     handler: Arc<H>,
@@ -381,7 +389,6 @@ struct Session<H> {
     shutdown_bound: Duration,
     restart: (Duration, Duration),
     slots: BTreeMap<PartitionId, Slot>,
-    tasks: JoinSet<()>,
     owners: HashMap<Id, PartitionId>,
     deadlines: BTreeSet<(Instant, PartitionId)>,
     /// Partitions the tasks asked to give back ([`Assignment::give_back`]).
@@ -519,8 +526,15 @@ where
     /// Tells the task of grant `token` of `partition` to stop, and releases the partition once
     /// the task has ended (or at once when none runs).
     fn stop_and_release(&mut self, partition: PartitionId, token: FencingToken, asked: Asked) {
-        let deadline = self.worker_deadline(partition, token);
-        match self.slots.get_mut(&partition).filter(|s| s.token == token) {
+        // A revoked lease is not renewed, so its local deadline bounds the drain; a given-back
+        // one still is, and only the drain bound (or a loss) cuts its task short.
+        let deadline = match asked {
+            Asked::Revoked => self.worker_deadline(partition, token),
+            Asked::GivenBack => Instant::now() + self.drain,
+        };
+        match self.slots.get_mut(&partition) {
+            // Another grant's task (a newer one): not this grant's to stop or give back.
+            Some(slot) if slot.token != token => {}
             Some(slot) if slot.phase == Phase::Running => {
                 slot.stop.cancel();
                 let until = deadline.min(Instant::now() + self.drain);
@@ -539,12 +553,13 @@ where
                 self.slots.remove(&partition);
                 self.release(partition);
             }
-            // A task's grant that already ended: nothing of it is this worker's to give back.
-            None if asked == Asked::GivenBack => {}
+            // No task: the grant was never started (granted while shutting down), or its task
+            // already ended and gave it back (a revoke that crossed a give-back). Release only
+            // while this worker still holds that very grant, never a newer one.
             None => {
-                // Never started (granted while shutting down): nothing to wait for.
-                self.slots.remove(&partition);
-                self.release(partition);
+                if asked == Asked::Revoked && self.worker.shared.valid_until(partition, token).is_some() {
+                    self.release(partition);
+                }
             }
         }
     }

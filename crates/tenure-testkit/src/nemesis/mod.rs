@@ -241,9 +241,10 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    /// Writes the store refused from a worker while it was frozen (SIGSTOP for a process):
-    /// operations of the frozen worker that overlap its freeze. Fencing was exercised by a pause
-    /// only if there are some.
+    /// Writes the store refused from an event-loop worker while it was frozen (SIGSTOP for a
+    /// process): operations of the frozen worker that overlap its freeze. Fencing was exercised
+    /// by a pause only if there are some. Runner slots are left out (see
+    /// [`Outcome::froze_an_event_loop_worker`]).
     pub fn refused_from_frozen_workers(&self) -> usize {
         let h = &self.history;
         let freezes: Vec<(&str, u64, u64)> = h
@@ -253,6 +254,7 @@ impl Outcome {
                 let name = f.what.strip_prefix("freeze-worker ")?.split(' ').next()?;
                 Some((name, f.start_ns, f.healed_ns))
             })
+            .filter(|(name, ..)| !self.runner_slots.iter().any(|r| r == name))
             .collect();
         h.workers
             .iter()

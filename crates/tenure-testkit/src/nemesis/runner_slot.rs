@@ -20,7 +20,7 @@
 
 use super::workload::{Action, Sink, View};
 use super::Clock;
-use crate::fence::FenceStore;
+use crate::fence::{FenceError, FenceStore};
 use crate::history::{WorkerOp, WorkerRecord};
 use crate::ids::PartitionId;
 use crate::worker::{Assignment, Runner, RunnerStatus, WorkerConfig};
@@ -123,7 +123,11 @@ impl<S: FenceStore + 'static> Work<S> {
                 fenced
             }
             Err(e) => {
-                self.record(&assignment, WorkerOp::Refused, started, deadline);
+                // Only the fence's refusal is a refusal; a store that could not be reached
+                // decided nothing (the handler runs again).
+                if matches!(e, FenceError::Stale { .. }) {
+                    self.record(&assignment, WorkerOp::Refused, started, deadline);
+                }
                 return Err(e.to_string());
             }
         };
@@ -150,7 +154,9 @@ impl<S: FenceStore + 'static> Work<S> {
             match fenced.write(b"k", value.as_bytes()).await {
                 Ok(()) => self.record(&assignment, WorkerOp::Wrote, checked_at, deadline),
                 Err(e) => {
-                    self.record(&assignment, WorkerOp::Refused, checked_at, deadline);
+                    if matches!(e, FenceError::Stale { .. }) {
+                        self.record(&assignment, WorkerOp::Refused, checked_at, deadline);
+                    }
                     return Err(e.to_string());
                 }
             }
