@@ -526,18 +526,18 @@ where
     /// Tells the task of grant `token` of `partition` to stop, and releases the partition once
     /// the task has ended (or at once when none runs).
     fn stop_and_release(&mut self, partition: PartitionId, token: FencingToken, asked: Asked) {
-        // A revoked lease is not renewed, so its local deadline bounds the drain; a given-back
-        // one still is, and only the drain bound (or a loss) cuts its task short.
-        let deadline = match asked {
-            Asked::Revoked => self.worker_deadline(partition, token),
-            Asked::GivenBack => Instant::now() + self.drain,
+        // A revoked lease is not renewed, so its local deadline cuts the drain short when it
+        // comes first; a given-back one still is, and only the drain bound (or a loss) ends it.
+        let bound = Instant::now() + self.drain;
+        let until = match asked {
+            Asked::Revoked => self.worker_deadline(partition, token).min(bound),
+            Asked::GivenBack => bound,
         };
         match self.slots.get_mut(&partition) {
             // Another grant's task (a newer one): not this grant's to stop or give back.
             Some(slot) if slot.token != token => {}
             Some(slot) if slot.phase == Phase::Running => {
                 slot.stop.cancel();
-                let until = deadline.min(Instant::now() + self.drain);
                 slot.phase = Phase::Draining { until, cut: false, release: true };
                 self.deadlines.insert((until, partition));
             }
