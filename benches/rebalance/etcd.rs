@@ -1,24 +1,30 @@
-//! The baseline: the same job done the way a user would on etcd. A 3-member etcd cluster
-//! (Debian's `etcd-server`, started here on loopback) holds one key per partition; each worker
-//! keeps a lease alive, registers itself under `members/`, and on every change it sees computes
-//! the same placement tenure uses (`tenure::placement::place`, so both designs move the same
-//! partitions), gives up what it must with a compare-and-delete, and takes free partitions
-//! with a transactional create under its lease. The key's revision is the fencing token.
+//! The baseline: the same job done the way a careful user would on etcd. A 3-member etcd
+//! cluster (Debian's `etcd-server`, started here on loopback) holds one key per partition.
+//! Each worker has its own client, keeps a lease alive, registers itself under `members/`, and
+//! keeps members and owners current from one watch on the whole prefix (no polling). On every
+//! change it sees it computes the same placement tenure uses (`tenure::placement::place`, so
+//! both designs move the same partitions) and sends what it must do in transactions of up to
+//! 128 guarded moves (a delete if it still holds the key, a create under its lease if the key
+//! is free; each move a nested transaction, so one lost race fails alone), up to 8 in flight.
+//! The key's revision is the fencing token.
 
 use anyhow::{bail, Context, Result};
-use etcd_client::{Client, Compare, CompareOp, GetOptions, PutOptions, Txn, TxnOp, WatchOptions};
-use futures::{FutureExt, StreamExt};
-use std::collections::HashMap;
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
+};
+use futures::FutureExt;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tenure::ids::SessionId;
 use tenure::placement::{place, Member};
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 const PREFIX: &str = "tb/";
+/// Moves per transaction: etcd's default `--max-txn-ops`.
+const BATCH: usize = 128;
 /// Transactions a worker keeps in flight while it reconciles.
-const IN_FLIGHT: usize = 32;
+const IN_FLIGHT: usize = 8;
 
 /// Three etcd members on loopback, stopped on drop.
 pub struct EtcdCluster {
@@ -151,8 +157,7 @@ fn owner_key(p: u32) -> String {
     format!("{PREFIX}owner/{p:08}")
 }
 
-/// When each partition was taken, by whom.
-pub type Acquired = Arc<Mutex<HashMap<u32, (String, Instant, i64)>>>;
+use super::Acquired;
 
 /// One worker of the baseline.
 pub struct EtcdWorker {
@@ -165,6 +170,100 @@ pub struct EtcdWorker {
 /// `w3` -> session 3, so placement sees the same members as in tenure.
 fn session_of(name: &str) -> SessionId {
     SessionId(name.trim_start_matches('w').parse().unwrap_or(0))
+}
+
+/// What a worker knows of the cluster, kept current from one watch on the whole prefix: the
+/// members and the owner of every partition, as of `revision`.
+struct View {
+    members: BTreeSet<String>,
+    owners: Vec<Option<String>>,
+    revision: i64,
+}
+
+impl View {
+    /// Reads members and owners at one revision, so the watch can start right after it.
+    async fn load(c: &mut Client, partitions: u32) -> Result<View> {
+        let members_kv = c.get(format!("{PREFIX}members/"), Some(GetOptions::new().with_prefix())).await?;
+        let revision = members_kv.header().map(|h| h.revision()).context("no revision")?;
+        let members =
+            members_kv.kvs().iter().filter_map(|kv| kv.value_str().ok().map(str::to_string)).collect();
+        let owners = read_owners_at(c, partitions, Some(revision)).await?;
+        Ok(View { members, owners, revision })
+    }
+
+    fn apply(&mut self, event: &etcd_client::Event) {
+        let Some(kv) = event.kv() else { return };
+        let Ok(key) = kv.key_str() else { return };
+        let put = event.event_type() == EventType::Put;
+        self.revision = self.revision.max(kv.mod_revision());
+        if let Some(name) = key.strip_prefix(&format!("{PREFIX}members/")) {
+            if put {
+                self.members.insert(name.to_string());
+            } else {
+                self.members.remove(name);
+            }
+        } else if let Some(p) = key.strip_prefix(&format!("{PREFIX}owner/")) {
+            if let Some(slot) = p.parse::<usize>().ok().and_then(|p| self.owners.get_mut(p)) {
+                *slot = if put { kv.value_str().ok().map(str::to_string) } else { None };
+            }
+        }
+    }
+
+    /// The partitions `me` should give up (`false`) or take (`true`) now, leaving out those
+    /// with a transaction in flight.
+    fn moves(&self, me: &str, pending: &HashSet<u32>) -> Vec<(u32, bool)> {
+        let members: Vec<Member> = self
+            .members
+            .iter()
+            .map(|name| Member { session: session_of(name), name: name.clone(), weight: 1 })
+            .collect();
+        let current: Vec<Option<SessionId>> =
+            self.owners.iter().map(|o| o.as_deref().map(session_of)).collect();
+        let target = place(&members, &current);
+        let mine = session_of(me);
+        (0..self.owners.len())
+            .filter(|p| !pending.contains(&(*p as u32)))
+            .filter_map(|p| match (current[p], target[p]) {
+                (Some(now), want) if now == mine && want != Some(mine) => Some((p as u32, false)),
+                (None, Some(want)) if want == mine => Some((p as u32, true)),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// One transaction of up to [`BATCH`] moves, each a nested transaction with its own guard, so
+/// one partition someone else took first fails alone: a take is a create under the worker's
+/// lease if the key does not exist, a give-up a delete if the worker still holds the key.
+/// Returns the partitions taken and the revision (their token).
+async fn commit(mut c: Client, me: String, lease: i64, batch: Vec<(u32, bool)>) -> Result<(Vec<u32>, i64)> {
+    let ops: Vec<TxnOp> = batch
+        .iter()
+        .map(|&(p, take)| {
+            let key = owner_key(p);
+            let guarded = if take {
+                Txn::new()
+                    .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
+                    .and_then([TxnOp::put(key, me.clone(), Some(PutOptions::new().with_lease(lease)))])
+            } else {
+                Txn::new()
+                    .when([Compare::value(key.clone(), CompareOp::Equal, me.clone())])
+                    .and_then([TxnOp::delete(key, None)])
+            };
+            TxnOp::txn(guarded)
+        })
+        .collect();
+    let reply = c.txn(Txn::new().and_then(ops)).await?;
+    let revision = reply.header().map(|h| h.revision()).unwrap_or(0);
+    let taken = batch
+        .iter()
+        .zip(reply.op_responses())
+        .filter_map(|(&(p, take), r)| match r {
+            TxnOpResponse::Txn(r) if take && r.succeeded() => Some(p),
+            _ => None,
+        })
+        .collect();
+    Ok((taken, revision))
 }
 
 impl EtcdWorker {
@@ -192,24 +291,56 @@ impl EtcdWorker {
         client
             .put(format!("{PREFIX}members/{name}"), name, Some(PutOptions::new().with_lease(lease)))
             .await?;
-        // Membership changes arrive on a watch; the partition keys are polled every 50 ms (a watch
-        // on them floods the client with small messages at 65,536 partitions).
-        let mut changes =
-            client.watch(format!("{PREFIX}members/"), Some(WatchOptions::new().with_prefix())).await?;
-        let (me, mut c) = (name.to_string(), client.clone());
+        let mut view = View::load(&mut client, partitions).await?;
+        let mut changes = client
+            .watch(PREFIX, Some(WatchOptions::new().with_prefix().with_start_revision(view.revision + 1)))
+            .await?;
+        let (me, c) = (name.to_string(), client.clone());
         tasks.push(tokio::spawn(async move {
+            let mut pending: HashSet<u32> = HashSet::new();
+            let mut in_flight: JoinSet<(Vec<u32>, Result<(Vec<u32>, i64)>)> = JoinSet::new();
             loop {
-                if let Err(e) = reconcile(&mut c, &me, lease, partitions, &acquired).await {
-                    eprintln!("etcd worker {me}: {e}");
+                // Reconcile on every change seen: send what the view asks for, as far as the
+                // in-flight limit allows; the rest is asked for again on the next change.
+                let moves = view.moves(&me, &pending);
+                for batch in moves.chunks(BATCH).take(IN_FLIGHT.saturating_sub(in_flight.len())) {
+                    pending.extend(batch.iter().map(|(p, _)| *p));
+                    let parts = batch.iter().map(|(p, _)| *p).collect();
+                    let commit = commit(c.clone(), me.clone(), lease, batch.to_vec());
+                    in_flight.spawn(async move { (parts, commit.await) });
                 }
-                // Wait for a change, then take every change that queued up.
-                match tokio::time::timeout(Duration::from_millis(50), changes.message()).await {
-                    Ok(Ok(Some(_))) | Err(_) => {}
-                    Ok(_) => return,
-                }
-                while let Some(next) = changes.message().now_or_never() {
-                    if !matches!(next, Ok(Some(_))) {
-                        break;
+                tokio::select! {
+                    message = changes.message() => {
+                        let mut next = message;
+                        // Take every change already queued before reconciling again.
+                        loop {
+                            match next {
+                                Ok(Some(reply)) if !reply.canceled() => {
+                                    reply.events().iter().for_each(|e| view.apply(e));
+                                }
+                                _ => return,
+                            }
+                            match changes.message().now_or_never() {
+                                Some(more) => next = more,
+                                None => break,
+                            }
+                        }
+                    }
+                    Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
+                        let Ok((parts, outcome)) = done else { return };
+                        parts.iter().for_each(|p| {
+                            pending.remove(p);
+                        });
+                        match outcome {
+                            Ok((taken, revision)) => {
+                                let now = Instant::now();
+                                let mut acquired = acquired.lock().unwrap();
+                                for p in taken {
+                                    acquired.insert(p, (me.clone(), now, revision));
+                                }
+                            }
+                            Err(e) => eprintln!("etcd worker {me}: {e}"),
+                        }
                     }
                 }
             }
@@ -234,68 +365,18 @@ impl EtcdWorker {
     }
 }
 
-/// One pass: read members and owners, compute the placement, give up and take partitions.
-async fn reconcile(c: &mut Client, me: &str, lease: i64, partitions: u32, acquired: &Acquired) -> Result<()> {
-    let members_kv = c.get(format!("{PREFIX}members/"), Some(GetOptions::new().with_prefix())).await?;
-    let mut members: Vec<Member> = members_kv
-        .kvs()
-        .iter()
-        .filter_map(|kv| kv.value_str().ok())
-        .map(|name| Member { session: session_of(name), name: name.to_string(), weight: 1 })
-        .collect();
-    members.sort_by_key(|m| m.session);
-    let current: Vec<Option<SessionId>> =
-        read_owners(c, partitions).await?.iter().map(|o| o.as_deref().map(session_of)).collect();
-    let target = place(&members, &current);
-    let mine = session_of(me);
-    let mut ops = Vec::new();
-    for p in 0..partitions as usize {
-        let (now, want) = (current[p], target[p]);
-        if now == Some(mine) && want != Some(mine) {
-            ops.push((p as u32, false));
-        } else if now.is_none() && want == Some(mine) {
-            ops.push((p as u32, true));
-        }
-    }
-    let results: Vec<Result<()>> = futures::stream::iter(ops)
-        .map(|(p, take)| {
-            let mut c = c.clone();
-            let (me, acquired) = (me.to_string(), acquired.clone());
-            async move {
-                let key = owner_key(p);
-                if take {
-                    let txn = Txn::new()
-                        .when([Compare::create_revision(key.clone(), CompareOp::Equal, 0)])
-                        .and_then([TxnOp::put(key, me.clone(), Some(PutOptions::new().with_lease(lease)))]);
-                    let reply = c.txn(txn).await?;
-                    if reply.succeeded() {
-                        let revision = reply.header().map(|h| h.revision()).unwrap_or(0);
-                        acquired.lock().unwrap().insert(p, (me, Instant::now(), revision));
-                    }
-                } else {
-                    let txn = Txn::new()
-                        .when([Compare::value(key.clone(), CompareOp::Equal, me)])
-                        .and_then([TxnOp::delete(key, None)]);
-                    c.txn(txn).await?;
-                }
-                Ok(())
-            }
-        })
-        .buffer_unordered(IN_FLIGHT)
-        .collect()
-        .await;
-    results.into_iter().collect()
-}
-
 /// The owner of every partition, by worker name, read in pages: one response with 65,536 keys
 /// is more than the client's HTTP/2 layer accepts.
-async fn read_owners(c: &mut Client, partitions: u32) -> Result<Vec<Option<String>>> {
+async fn read_owners_at(c: &mut Client, partitions: u32, at: Option<i64>) -> Result<Vec<Option<String>>> {
     let mut table = vec![None; partitions as usize];
     let end = format!("{PREFIX}owner0"); // '0' follows '/': the end of the prefix
     let mut from = format!("{PREFIX}owner/");
     loop {
-        let page =
-            c.get(from.clone(), Some(GetOptions::new().with_range(end.clone()).with_limit(4096))).await?;
+        let mut options = GetOptions::new().with_range(end.clone()).with_limit(4096);
+        if let Some(revision) = at {
+            options = options.with_revision(revision);
+        }
+        let page = c.get(from.clone(), Some(options)).await?;
         for kv in page.kvs() {
             let p: usize = kv.key_str()?.rsplit('/').next().unwrap_or("").parse()?;
             if let Some(slot) = table.get_mut(p) {
@@ -312,7 +393,7 @@ async fn read_owners(c: &mut Client, partitions: u32) -> Result<Vec<Option<Strin
 /// The owner of every partition, by worker name.
 pub async fn owners(endpoints: &[String], partitions: u32) -> Result<Vec<Option<String>>> {
     let mut c = Client::connect(endpoints.to_vec(), None).await?;
-    read_owners(&mut c, partitions).await
+    read_owners_at(&mut c, partitions, None).await
 }
 
 /// Waits until every partition is owned by one of `names` and balanced within one.

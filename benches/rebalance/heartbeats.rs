@@ -117,7 +117,7 @@ pub(crate) async fn renewal_cpu(
     sessions: usize,
     window: Duration,
     etcd: Option<&etcd::EtcdCluster>,
-) -> Result<()> {
+) -> Result<f64> {
     use tenure::nemesis::{ProcessCluster, ServeSettings};
     let in_flight = 256;
     let dir = tempfile::tempdir()?;
@@ -154,7 +154,7 @@ pub(crate) async fn renewal_cpu(
         format!("{tenure_us:.1} us"),
     );
 
-    let Some(etcd) = etcd else { return Ok(()) };
+    let Some(etcd) = etcd else { return Ok(tenure_us) };
     let pid = etcd.leader_pid().await?.to_string();
     let before = process_cpu_time(&pid);
     let start = Instant::now();
@@ -169,6 +169,39 @@ pub(crate) async fn renewal_cpu(
     );
     table.figure(format!("etcd, {sessions} leases: leader CPU per keep-alive"), format!("{etcd_us:.1} us"));
     table.figure("ratio etcd / tenure: leader CPU per renewal", format!("{:.1}x", etcd_us / tenure_us));
+    Ok(tenure_us)
+}
+
+/// The PostgreSQL design's renewals: `sessions` workers, each holding its share of `partitions`,
+/// renewing with one statement each over a pool of 32 connections, 256 renewals in flight; the
+/// server's CPU (every PostgreSQL process) per renewal.
+pub(crate) async fn postgres_renewal_cpu(
+    table: &mut Table,
+    partitions: u32,
+    sessions: usize,
+    window: Duration,
+    tenure_us: f64,
+) -> Result<()> {
+    let pg = match postgres::Postgres::start(partitions).await {
+        Ok(pg) => pg,
+        Err(e) => {
+            eprintln!("PostgreSQL baseline skipped: {e:#}");
+            return Ok(());
+        }
+    };
+    let (renewed, cpu) = postgres::renewal_load(&pg, sessions, 32, 256, window).await?;
+    pg.stop().await?;
+    let label = format!("PostgreSQL, P={partitions}, {sessions} workers");
+    table.figure(
+        format!("{label}: renewals per second"),
+        format!("{:.0}", renewed as f64 / window.as_secs_f64()),
+    );
+    let pg_us = cpu.as_secs_f64() * 1e6 / renewed.max(1) as f64;
+    table.figure(format!("{label}: server CPU per renewal"), format!("{pg_us:.1} us"));
+    table.figure(
+        format!("ratio PostgreSQL / tenure: CPU per renewal, P={partitions}"),
+        format!("{:.1}x", pg_us / tenure_us),
+    );
     Ok(())
 }
 

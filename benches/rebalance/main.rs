@@ -9,13 +9,15 @@
 //! `<target dir>/tenure-bench/results.md`.
 
 mod etcd;
+mod failover;
 mod fleet;
 mod heartbeats;
 mod moves;
+mod postgres;
 mod report;
 mod scale;
 mod storm;
-mod versus_etcd;
+mod versus;
 
 #[global_allocator]
 static ALLOCATOR: scale::Counting = scale::Counting;
@@ -37,7 +39,15 @@ use fleet::*;
 use heartbeats::*;
 use moves::*;
 use report::*;
-use versus_etcd::*;
+use versus::*;
+
+/// Join and leave ratios of one baseline against tenure, every moved partition owned.
+fn compare(table: &mut Table, baseline: &str, p: u32, tenure: (&Sample, &Sample), other: (&Sample, &Sample)) {
+    let join = format!("P={p} join 4->5, every moved partition owned");
+    ratio(table, baseline, &join, tenure.0.max(), other.0.max());
+    let leave = format!("P={p} leave 5->4, every moved partition owned");
+    ratio(table, baseline, &leave, tenure.1.max(), other.1.max());
+}
 
 async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     let want = |section: &str| only.is_none_or(|o| o == section);
@@ -50,8 +60,8 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     table.latency("one Raft commit (no-op write) p99", floor.pct(0.99));
     eprintln!("commit floor measured");
 
-    let etcd_wanted = want("join-leave") || want("crash") || want("renewal-cpu");
-    let etcd = if !etcd_wanted {
+    let baselines_wanted = want("join-leave") || want("crash") || want("renewal-cpu");
+    let etcd = if !baselines_wanted {
         None
     } else {
         match etcd::EtcdCluster::start().await {
@@ -79,27 +89,28 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     for &p in sizes {
         let (join, leave) = join_and_leave(&mut table, p).await?;
         eprintln!("P={p} join/leave measured");
+        if p == 1024 {
+            curves.push((format!("tenure, join 4->5, P={p}"), join.clone()));
+        }
         if let Some(etcd) = &etcd {
-            let (ejoin, eleave) = etcd_join_and_leave(&mut table, etcd, p).await?;
-            ratio(
-                &mut table,
-                &format!("P={p} join 4->5, every moved partition owned"),
-                join.max(),
-                ejoin.max(),
-            );
-            ratio(
-                &mut table,
-                &format!("P={p} leave 5->4, every moved partition owned"),
-                leave.max(),
-                eleave.max(),
-            );
+            let (ejoin, eleave) = baseline_join_and_leave(&mut table, etcd, p).await?;
+            compare(&mut table, "etcd", p, (&join, &leave), (&ejoin, &eleave));
             eprintln!("etcd P={p} join/leave measured");
             if p == 1024 {
                 curves.push((format!("etcd, join 4->5, P={p}"), ejoin));
             }
         }
-        if p == 1024 {
-            curves.push((format!("tenure, join 4->5, P={p}"), join));
+        match postgres::Postgres::start(p).await {
+            Ok(pg) => {
+                let (pjoin, pleave) = baseline_join_and_leave(&mut table, &pg, p).await?;
+                compare(&mut table, "PostgreSQL", p, (&join, &leave), (&pjoin, &pleave));
+                pg.stop().await?;
+                eprintln!("PostgreSQL P={p} join/leave measured");
+                if p == 1024 {
+                    curves.push((format!("PostgreSQL, join 4->5, P={p}"), pjoin));
+                }
+            }
+            Err(e) => eprintln!("PostgreSQL baseline skipped: {e:#}"),
         }
     }
     let ttls: &[u64] = if !want("crash") {
@@ -111,26 +122,40 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
     };
     for &ttl in ttls {
         let crash = crash_failover(&mut table, Duration::from_secs(ttl)).await?;
+        let what = format!("crash at TTL {ttl} s, last partition owned again");
+        if ttl == 1 {
+            curves.push((format!("tenure, crash, TTL {ttl} s"), crash.clone()));
+        }
         if let Some(etcd) = &etcd {
-            let ecrash = etcd_crash(&mut table, etcd, ttl as i64).await?;
-            ratio(
-                &mut table,
-                &format!("crash at TTL {ttl} s, last partition owned again"),
-                crash.max(),
-                ecrash.max(),
-            );
+            let ecrash = baseline_crash(&mut table, etcd, Duration::from_secs(ttl)).await?;
+            ratio(&mut table, "etcd", &what, crash.max(), ecrash.max());
             if ttl == 1 {
                 curves.push((format!("etcd, crash, lease TTL {ttl} s"), ecrash));
             }
         }
-        if ttl == 1 {
-            curves.push((format!("tenure, crash, TTL {ttl} s"), crash));
+        match postgres::Postgres::start(256).await {
+            Ok(pg) => {
+                let pcrash = baseline_crash(&mut table, &pg, Duration::from_secs(ttl)).await?;
+                ratio(&mut table, "PostgreSQL", &what, crash.max(), pcrash.max());
+                pg.stop().await?;
+                if ttl == 1 {
+                    curves.push((format!("PostgreSQL, crash, lease TTL {ttl} s"), pcrash));
+                }
+            }
+            Err(e) => eprintln!("PostgreSQL baseline skipped: {e:#}"),
         }
         eprintln!("crash failover at TTL {ttl} s measured");
     }
     if want("leader") {
         leader_loss(&mut table, if quick { 5 } else { 20 }).await?;
         eprintln!("leader loss measured");
+    }
+    if want("failover") {
+        for ttl in [2, 1] {
+            failover::leader_failure(&mut table, Duration::from_secs(ttl), if quick { 3 } else { 10 })
+                .await?;
+            eprintln!("leader failure under a worker at TTL {ttl} s measured");
+        }
     }
     let loads: &[(u32, usize)] = if !want("heartbeats") {
         &[]
@@ -144,8 +169,13 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
         eprintln!("heartbeats at P={p} with {sessions} sessions measured");
     }
     if want("renewal-cpu") {
-        renewal_cpu(&mut table, 1000, Duration::from_secs(if quick { 5 } else { 10 }), etcd.as_ref()).await?;
+        let window = Duration::from_secs(if quick { 5 } else { 10 });
+        let tenure_us = renewal_cpu(&mut table, 1000, window, etcd.as_ref()).await?;
         eprintln!("leader CPU per renewal measured");
+        for p in if quick { &[1024][..] } else { &[1024, 65536][..] } {
+            postgres_renewal_cpu(&mut table, *p, 1000, window, tenure_us).await?;
+            eprintln!("PostgreSQL CPU per renewal at P={p} measured");
+        }
     }
     if want("storm") {
         // `TENURE_BENCH_STORM_SESSIONS` sizes the storm for a profile between the two sizes.
@@ -173,7 +203,8 @@ fn main() -> Result<()> {
         return Ok(());
     }
     let quick = args.iter().any(|a| a == "--quick") || std::env::var_os("TENURE_BENCH_QUICK").is_some();
-    // `--only <section>`: planned, join-leave, crash, leader, heartbeats, renewal-cpu, storm, scale.
+    // `--only <section>`: planned, join-leave, crash, leader, failover, heartbeats, renewal-cpu,
+    // storm, scale.
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let (table, svg) = runtime.block_on(run(quick, only.as_deref()))?;

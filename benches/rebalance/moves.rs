@@ -196,7 +196,15 @@ pub(crate) async fn crash_failover(table: &mut Table, ttl: Duration) -> Result<S
 pub(crate) async fn leader_loss(table: &mut Table, trials: usize) -> Result<()> {
     let partitions = 256;
     let dir = tempfile::tempdir()?;
-    let mut cluster = cluster(dir.path(), partitions, Duration::from_secs(5)).await?;
+    // An election timeout of 150-300 ms, heartbeats every 25 ms.
+    let mut cluster = LocalCluster::start(3, dir.path(), |c| {
+        c.partition_count = partitions;
+        c.lease_ttl = Duration::from_secs(5);
+        c.election_timeout = Duration::from_millis(150);
+        c.raft_heartbeat_interval = Duration::from_millis(25);
+        c.expiry_check_interval = Duration::from_millis(20);
+    })
+    .await?;
     let client = cluster.client();
     let joined = client
         .call(|mut c| async move { c.join(proto::JoinRequest { name: "probe".into(), weight: 1 }).await })

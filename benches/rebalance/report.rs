@@ -3,6 +3,7 @@
 use super::*;
 
 /// Latencies, sorted.
+#[derive(Clone)]
 pub(crate) struct Sample(pub(crate) Vec<Duration>);
 
 impl Sample {
@@ -57,10 +58,10 @@ impl Table {
     }
 }
 
-pub(crate) fn ratio(table: &mut Table, what: &str, tenure: Duration, etcd: Duration) {
+pub(crate) fn ratio(table: &mut Table, baseline: &str, what: &str, tenure: Duration, other: Duration) {
     table.figure(
-        format!("ratio etcd / tenure: {what}"),
-        format!("{:.1}x", etcd.as_secs_f64() / tenure.as_secs_f64().max(1e-9)),
+        format!("ratio {baseline} / tenure: {what}"),
+        format!("{:.1}x", other.as_secs_f64() / tenure.as_secs_f64().max(1e-9)),
     );
 }
 

@@ -93,12 +93,14 @@ impl Worker {
     /// the leases from the instant its heartbeat was sent; meanwhile the deadline task lets
     /// leases run out.
     ///
-    /// One attempt (finding the leader, a sixth of a TTL per node tried, opening the stream if
-    /// there is none, one heartbeat and its answer) is bounded by half a TTL. A failed attempt
-    /// drops the stream and is retried soon, backing off (with jitter) from 20 ms up to `every`; a node that let
-    /// a heartbeat go unanswered is moved away from. So a frozen or dead leader costs one bounded
-    /// attempt, and the worker reaches a new leader well within the TTL that leader starts every
-    /// lease with.
+    /// One attempt (finding the leader, a twelfth of a TTL per node tried, opening the stream if
+    /// there is none, one heartbeat and its answer) is bounded by a quarter TTL. A failed attempt
+    /// drops the stream and is retried soon, backing off (with jitter) from 20 ms up to `every`;
+    /// a node that let a heartbeat go unanswered is moved away from. So a frozen or dead leader
+    /// costs one bounded attempt: the worker's last confirmed send was at most a heartbeat
+    /// interval before the failure, its lease lasts `TTL - margin` from that send, and the
+    /// attempt that finds the leader silent gives up half a TTL after it, which leaves the
+    /// election and the first renewal on the new leader the rest.
     pub(super) fn heartbeat_loop(
         &self,
         every: Duration,
@@ -109,7 +111,7 @@ impl Worker {
             secret: self.secret.clone(),
             ..Default::default()
         };
-        let patience = shared.ttl / 2;
+        let patience = shared.ttl / 4;
         let request_release = proto::ReleaseRequest {
             session_id: self.session.0,
             secret: self.secret.clone(),
@@ -175,7 +177,7 @@ impl Worker {
                         }
                         stream = None;
                         failing = true;
-                        // After a timeout, half a TTL has gone by already: try again at once.
+                        // After a timeout, a quarter TTL has gone by already: try again at once.
                         let pause = retries.next().unwrap_or(every);
                         if timed_out {
                             RETRY_FIRST.min(pause)

@@ -16,6 +16,7 @@
 mod admission;
 pub mod coordinator;
 mod error;
+mod failover;
 mod handover;
 pub mod health;
 mod leader;
@@ -613,7 +614,20 @@ where
         operator,
         crate::tls::admit_client(node.config.tls.is_some()),
     );
-    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft, leader_lease))
+    let contact = Arc::new(failover::LeaderContact::default());
+    let timing = failover::Timing {
+        lease: leader_lease,
+        step: node.config.raft_heartbeat_interval,
+        retry_after: leader_lease,
+    };
+    tasks.push(tokio::spawn(failover::stand_when_silent(
+        raft.clone(),
+        node.config.id,
+        contact.clone(),
+        timing,
+        cancel.clone(),
+    )));
+    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft, leader_lease, contact))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let transport = tonic::service::interceptor::InterceptedService::new(

@@ -288,6 +288,21 @@ impl ProcessCluster {
         self.status_of(leader).await.is_some_and(|s| s.leader_id == leader).then_some(leader)
     }
 
+    /// Like [`ProcessCluster::leader`], without asking node `gone` (killed or frozen, whose
+    /// status would only time out): a node that a majority of the whole cluster names among the
+    /// others, and that says so itself.
+    pub async fn leader_other_than(&self, gone: NodeId) -> Option<NodeId> {
+        let mut named: BTreeMap<NodeId, usize> = BTreeMap::new();
+        for id in self.ids().into_iter().filter(|id| *id != gone) {
+            if let Some(status) = self.status_of(id).await.filter(|s| s.leader_id != 0) {
+                *named.entry(status.leader_id).or_default() += 1;
+            }
+        }
+        let majority = self.addrs.len() / 2 + 1;
+        let (&leader, _) = named.iter().find(|(id, votes)| **id != gone && **votes >= majority)?;
+        self.status_of(leader).await.is_some_and(|s| s.leader_id == leader).then_some(leader)
+    }
+
     pub async fn wait_for_leader(&self, timeout: Duration) -> Option<NodeId> {
         let until = Instant::now() + timeout;
         while Instant::now() < until {
