@@ -4,7 +4,7 @@
 //! keeps members and owners current from one watch on the whole prefix (no polling). On every
 //! change it sees it computes the same placement tenure uses (`tenure::placement::place`, so
 //! both designs move the same partitions) and sends what it must do in transactions of up to
-//! 128 guarded moves (a delete if it still holds the key, a create under its lease if the key
+//! 64 guarded moves (a delete if it still holds the key, a create under its lease if the key
 //! is free; each move a nested transaction, so one lost race fails alone), up to 8 in flight.
 //! The key's revision is the fencing token.
 
@@ -21,8 +21,9 @@ use tenure::placement::{place, Member};
 use tokio::task::{JoinHandle, JoinSet};
 
 const PREFIX: &str = "tb/";
-/// Moves per transaction: etcd's default `--max-txn-ops`.
-const BATCH: usize = 128;
+/// Moves per transaction: each is a compare and an operation, and etcd's default
+/// `--max-txn-ops` allows 128 operations in one transaction, nested ones counted.
+const BATCH: usize = 64;
 /// Transactions a worker keeps in flight while it reconciles.
 const IN_FLIGHT: usize = 8;
 
@@ -232,11 +233,14 @@ impl View {
     }
 }
 
+/// The partitions a transaction took, and its revision.
+type Committed = (Vec<u32>, i64);
+
 /// One transaction of up to [`BATCH`] moves, each a nested transaction with its own guard, so
 /// one partition someone else took first fails alone: a take is a create under the worker's
 /// lease if the key does not exist, a give-up a delete if the worker still holds the key.
 /// Returns the partitions taken and the revision (their token).
-async fn commit(mut c: Client, me: String, lease: i64, batch: Vec<(u32, bool)>) -> Result<(Vec<u32>, i64)> {
+async fn commit(mut c: Client, me: String, lease: i64, batch: Vec<(u32, bool)>) -> Result<Committed> {
     let ops: Vec<TxnOp> = batch
         .iter()
         .map(|&(p, take)| {
@@ -298,7 +302,7 @@ impl EtcdWorker {
         let (me, c) = (name.to_string(), client.clone());
         tasks.push(tokio::spawn(async move {
             let mut pending: HashSet<u32> = HashSet::new();
-            let mut in_flight: JoinSet<(Vec<u32>, Result<(Vec<u32>, i64)>)> = JoinSet::new();
+            let mut in_flight: JoinSet<(Vec<u32>, Result<Committed>)> = JoinSet::new();
             loop {
                 // Reconcile on every change seen: send what the view asks for, as far as the
                 // in-flight limit allows; the rest is asked for again on the next change.

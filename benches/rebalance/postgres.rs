@@ -2,7 +2,9 @@
 //! from one lease table. One row per partition; a worker takes free or expired partitions with
 //! one conditional update (`UPDATE leases SET holder = $me, token = token + 1, expires_at =
 //! now() + ttl WHERE part = ANY($mine) AND expires_at < now()`), so the row's token is the
-//! fencing token, checked in the same database; it gives partitions up with a guarded update;
+//! fencing token, checked in the same database; it gives partitions up with a guarded update
+//! (both lock rows in partition order and skip rows another transaction holds, taken up again
+//! on the next pass, so workers never deadlock);
 //! it renews its membership and every lease it holds with one statement per heartbeat. Changes
 //! are announced with `NOTIFY`, on which every worker reconciles at once; since an expiry
 //! announces nothing, each also reconciles on every heartbeat tick. Placement is tenure's own
@@ -169,19 +171,35 @@ impl PgWorker {
         self.task.abort();
     }
 
-    /// Leaves: membership and every lease given up in one transaction.
+    /// Leaves: membership and every lease given up in one transaction, tried again (as
+    /// PostgreSQL asks of its users) if the server broke a deadlock by aborting it.
     pub async fn leave(mut self) -> Result<()> {
         self.task.abort();
+        let mut tries = 0;
+        loop {
+            match self.try_leave().await {
+                Err(e)
+                    if tries < 10
+                        && e.code() == Some(&tokio_postgres::error::SqlState::T_R_DEADLOCK_DETECTED) =>
+                {
+                    tries += 1;
+                }
+                outcome => return Ok(outcome?),
+            }
+        }
+    }
+
+    async fn try_leave(&mut self) -> Result<(), tokio_postgres::Error> {
         let tx = self.connection.client.transaction().await?;
         tx.execute("DELETE FROM members WHERE name = $1", &[&self.name]).await?;
         tx.execute(
-            "UPDATE leases SET holder = NULL, expires_at = '-infinity' WHERE holder = $1",
+            "UPDATE leases SET holder = NULL, expires_at = '-infinity' WHERE part IN
+                 (SELECT part FROM leases WHERE holder = $1 ORDER BY part FOR UPDATE)",
             &[&self.name],
         )
         .await?;
         tx.batch_execute("NOTIFY changes").await?;
-        tx.commit().await?;
-        Ok(())
+        tx.commit().await
     }
 }
 
@@ -227,7 +245,8 @@ async fn reconcile(
     if !give.is_empty() {
         let tx = c.transaction().await?;
         tx.execute(
-            "UPDATE leases SET holder = NULL, expires_at = '-infinity' WHERE part = ANY($1) AND holder = $2",
+            "UPDATE leases SET holder = NULL, expires_at = '-infinity' WHERE part IN (SELECT part FROM leases
+                 WHERE part = ANY($1) AND holder = $2 ORDER BY part FOR UPDATE SKIP LOCKED)",
             &[&give, &me],
         )
         .await?;
@@ -239,7 +258,9 @@ async fn reconcile(
         let rows = tx
             .query(
                 "UPDATE leases SET holder = $1, token = token + 1, expires_at = now() + $3::float8 * interval '1 ms'
-                 WHERE part = ANY($2) AND expires_at < now() RETURNING part, token",
+                 WHERE part IN (SELECT part FROM leases WHERE part = ANY($2) AND expires_at < now()
+                     ORDER BY part FOR UPDATE SKIP LOCKED)
+                 RETURNING part, token",
                 &[&me, &take, &millis(ttl)],
             )
             .await?;

@@ -221,6 +221,13 @@ impl LocalCluster {
         }
     }
 
+    /// Takes node `id` out of the cluster still running, for the caller to stop (on another
+    /// task, say, so that what follows is timed from the moment the stop began rather than
+    /// from its end); [`LocalCluster::restart`] starts it again afterwards.
+    pub fn take(&mut self, id: NodeId) -> Option<server::RunningNode> {
+        self.nodes.get_mut(&id).and_then(Option::take)
+    }
+
     /// Stops a node as SIGTERM does: if it leads, it hands leadership over first (see
     /// [`server::RunningNode::shutdown_gracefully`]). Returns the node that took over, if any.
     pub async fn stop_gracefully(&mut self, id: NodeId, bound: Duration) -> Option<NodeId> {
