@@ -1,5 +1,5 @@
 //! A worker keeps its session while the coordinator leader is frozen with SIGSTOP for longer
-//! than a lease: its heartbeats give up on the silent node within half a TTL, find the leader
+//! than a lease: its heartbeats give up on the silent node within a quarter TTL, find the leader
 //! the others elect, and renew there before the leases that leader started at its election run
 //! out. Nothing is lost, no token changes, and the woken old leader changes nothing either.
 
@@ -87,6 +87,7 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
     assert!(status.sessions.iter().any(|s| s.id == w.session().0), "the session survived");
     assert_eq!(w.owned(), before, "same partitions, same tokens");
 
+    let term = status.term;
     c.signal_pause(frozen, false);
     let woken = Instant::now();
     eventually("a renewal sent after the old leader woke is confirmed", || {
@@ -95,5 +96,12 @@ async fn a_worker_keeps_its_session_while_the_leader_is_frozen() {
     })
     .await;
     assert_eq!(w.owned(), before, "waking the old leader changed nothing");
+    // The woken node learns of the newer leader and follows it; it does not campaign against it.
+    eventually("every node, the woken one too, names one leader", || async {
+        c.wait_for_leader(Duration::from_millis(100)).await.filter(|l| *l != frozen)
+    })
+    .await;
+    let now = c.status().await.expect("the leader answers");
+    assert_eq!(now.term, term, "waking the old leader started no election");
     c.shutdown().await;
 }

@@ -13,7 +13,7 @@ use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions,
 };
 use futures::FutureExt;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tenure::ids::SessionId;
@@ -301,11 +301,24 @@ impl EtcdWorker {
             .await?;
         let (me, c) = (name.to_string(), client.clone());
         tasks.push(tokio::spawn(async move {
+            // Partitions with a move in flight, or committed at a revision the view has not
+            // reached yet: a reconcile must not send those again.
             let mut pending: HashSet<u32> = HashSet::new();
+            let mut settling: Vec<(i64, Vec<u32>)> = Vec::new();
             let mut in_flight: JoinSet<(Vec<u32>, Result<Committed>)> = JoinSet::new();
             loop {
-                // Reconcile on every change seen: send what the view asks for, as far as the
-                // in-flight limit allows; the rest is asked for again on the next change.
+                settling.retain(|(revision, parts)| {
+                    let seen = *revision <= view.revision;
+                    if seen {
+                        parts.iter().for_each(|p| {
+                            pending.remove(p);
+                        });
+                    }
+                    !seen
+                });
+                // Reconcile on every change seen and every transaction done: send what the view
+                // asks for, as far as the in-flight limit allows; the rest is asked for again
+                // on the next change.
                 let moves = view.moves(&me, &pending);
                 for batch in moves.chunks(BATCH).take(IN_FLIGHT.saturating_sub(in_flight.len())) {
                     pending.extend(batch.iter().map(|(p, _)| *p));
@@ -321,6 +334,8 @@ impl EtcdWorker {
                             match next {
                                 Ok(Some(reply)) if !reply.canceled() => {
                                     reply.events().iter().for_each(|e| view.apply(e));
+                                    let at = reply.header().map_or(0, |h| h.revision());
+                                    view.revision = view.revision.max(at);
                                 }
                                 _ => return,
                             }
@@ -332,9 +347,6 @@ impl EtcdWorker {
                     }
                     Some(done) = in_flight.join_next(), if !in_flight.is_empty() => {
                         let Ok((parts, outcome)) = done else { return };
-                        parts.iter().for_each(|p| {
-                            pending.remove(p);
-                        });
                         match outcome {
                             Ok((taken, revision)) => {
                                 let now = Instant::now();
@@ -342,8 +354,12 @@ impl EtcdWorker {
                                 for p in taken {
                                     acquired.insert(p, (me.clone(), now, revision));
                                 }
+                                settling.push((revision, parts));
                             }
-                            Err(e) => eprintln!("etcd worker {me}: {e}"),
+                            Err(e) => {
+                                eprintln!("etcd worker {me}: {e}");
+                                settling.push((0, parts));
+                            }
                         }
                     }
                 }
@@ -398,29 +414,4 @@ async fn read_owners_at(c: &mut Client, partitions: u32, at: Option<i64>) -> Res
 pub async fn owners(endpoints: &[String], partitions: u32) -> Result<Vec<Option<String>>> {
     let mut c = Client::connect(endpoints.to_vec(), None).await?;
     read_owners_at(&mut c, partitions, None).await
-}
-
-/// Waits until every partition is owned by one of `names` and balanced within one.
-pub async fn settle(endpoints: &[String], partitions: u32, names: &[&str], patience: Duration) -> Result<()> {
-    let until = Instant::now() + patience;
-    loop {
-        let table = owners(endpoints, partitions).await?;
-        let mut counts: HashMap<&str, usize> = names.iter().map(|n| (*n, 0)).collect();
-        let mut complete = true;
-        for owner in &table {
-            match owner.as_deref().and_then(|o| counts.get_mut(o)) {
-                Some(c) => *c += 1,
-                None => complete = false,
-            }
-        }
-        let (min, max) =
-            (counts.values().min().copied().unwrap_or(0), counts.values().max().copied().unwrap_or(0));
-        if complete && max - min <= 1 {
-            return Ok(());
-        }
-        if Instant::now() > until {
-            bail!("etcd baseline did not settle: complete={complete}, counts {counts:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }

@@ -12,9 +12,8 @@
 //!
 //! Every commit is synced (PostgreSQL's default `synchronous_commit`), as tenure's and etcd's.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use futures::StreamExt;
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tenure::ids::SessionId;
@@ -278,30 +277,9 @@ async fn reconcile(
     Ok(())
 }
 
-/// Waits until every partition is owned by one of `names` and balanced within one.
-pub async fn settle(pg: &Postgres, partitions: u32, names: &[&str], patience: Duration) -> Result<()> {
-    let until = Instant::now() + patience;
-    let c = pg.connect().await?;
-    loop {
-        let table = owners(&c.client, partitions).await?;
-        let mut counts: HashMap<&str, usize> = names.iter().map(|n| (*n, 0)).collect();
-        let mut complete = true;
-        for owner in &table {
-            match owner.as_deref().and_then(|o| counts.get_mut(o)) {
-                Some(c) => *c += 1,
-                None => complete = false,
-            }
-        }
-        let (min, max) =
-            (counts.values().min().copied().unwrap_or(0), counts.values().max().copied().unwrap_or(0));
-        if complete && max - min <= 1 {
-            return Ok(());
-        }
-        if Instant::now() > until {
-            bail!("PostgreSQL baseline did not settle: complete={complete}, counts {counts:?}");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+/// The owner of every partition whose lease has not run out, by worker name.
+pub async fn current_owners(pg: &Postgres, partitions: u32) -> Result<Vec<Option<String>>> {
+    owners(&pg.connect().await?.client, partitions).await
 }
 
 /// CPU time used so far by every PostgreSQL server process (the postmaster and its backends).

@@ -18,8 +18,33 @@ pub(crate) trait Baseline {
         partitions: u32,
         acquired: Acquired,
     ) -> Result<Self::Worker>;
+    /// The owner of every partition, by worker name.
+    async fn owners(&self, partitions: u32) -> Result<Vec<Option<String>>>;
+
     /// Waits until every partition is owned by one of `names` and balanced within one.
-    async fn settle(&self, partitions: u32, names: &[&str], patience: Duration) -> Result<()>;
+    async fn settle(&self, partitions: u32, names: &[&str], patience: Duration) -> Result<()> {
+        let until = Instant::now() + patience;
+        loop {
+            let table = self.owners(partitions).await?;
+            let mut counts: HashMap<&str, usize> = names.iter().map(|n| (*n, 0)).collect();
+            let mut complete = true;
+            for owner in &table {
+                match owner.as_deref().and_then(|o| counts.get_mut(o)) {
+                    Some(c) => *c += 1,
+                    None => complete = false,
+                }
+            }
+            let (min, max) =
+                (counts.values().min().copied().unwrap_or(0), counts.values().max().copied().unwrap_or(0));
+            if complete && max - min <= 1 {
+                return Ok(());
+            }
+            if Instant::now() > until {
+                bail!("{} baseline did not settle: complete={complete}, counts {counts:?}", Self::NAME);
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
 }
 
 pub(crate) trait BaselineWorker {
@@ -44,8 +69,8 @@ impl Baseline for etcd::EtcdCluster {
     ) -> Result<etcd::EtcdWorker> {
         etcd::EtcdWorker::join(&self.endpoints, name, ttl.as_secs().max(1) as i64, partitions, acquired).await
     }
-    async fn settle(&self, partitions: u32, names: &[&str], patience: Duration) -> Result<()> {
-        etcd::settle(&self.endpoints, partitions, names, patience).await
+    async fn owners(&self, partitions: u32) -> Result<Vec<Option<String>>> {
+        etcd::owners(&self.endpoints, partitions).await
     }
 }
 
@@ -76,8 +101,8 @@ impl Baseline for postgres::Postgres {
     ) -> Result<postgres::PgWorker> {
         postgres::PgWorker::join(self, name, ttl, partitions, acquired).await
     }
-    async fn settle(&self, partitions: u32, names: &[&str], patience: Duration) -> Result<()> {
-        postgres::settle(self, partitions, names, patience).await
+    async fn owners(&self, partitions: u32) -> Result<Vec<Option<String>>> {
+        postgres::current_owners(self, partitions).await
     }
 }
 

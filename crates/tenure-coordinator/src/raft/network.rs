@@ -42,11 +42,20 @@ pub struct Network {
     /// Ordered, not hashed: dropping the cache closes the connections in its order, and the
     /// whole-stack simulation replays a seed only if that order is the same in every process.
     channels: Arc<Mutex<BTreeMap<String, Channel>>>,
+    /// How long the leader waits before trying an unreachable peer again; `None` keeps
+    /// openraft's 500 ms. A leader should find a peer that woke (a deposed leader back from a
+    /// freeze) within a heartbeat or two, before that peer's own election timer runs out.
+    retry_every: Option<Duration>,
 }
 
 impl Network {
     pub fn new(dial_from: Option<std::net::IpAddr>, dialer: Dialer, tls: Option<ClientTlsConfig>) -> Network {
-        Network { dial_from, dialer, tls, channels: Arc::default() }
+        Network { dial_from, dialer, tls, channels: Arc::default(), retry_every: None }
+    }
+
+    /// Tries an unreachable peer again every `every` instead of every 500 ms.
+    pub fn retrying_every(self, every: Duration) -> Network {
+        Network { retry_every: Some(every), ..self }
     }
 
     /// A client of the peer service at `addr`, on the shared connection to it.
@@ -85,6 +94,7 @@ impl Network {
 pub struct PeerClient {
     target: NodeId,
     client: Result<RaftTransportClient<Channel>, String>,
+    retry_every: Option<Duration>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for Network {
@@ -99,7 +109,7 @@ impl RaftNetworkFactory<TypeConfig> for Network {
                     .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES)
             })
             .map_err(|e| format!("node {target}: {e}"));
-        PeerClient { target, client }
+        PeerClient { target, client, retry_every: self.retry_every }
     }
 }
 
@@ -147,6 +157,11 @@ impl PeerClient {
 }
 
 impl RaftNetwork<TypeConfig> for PeerClient {
+    fn backoff(&self) -> openraft::network::Backoff {
+        let every = self.retry_every.unwrap_or(Duration::from_millis(500));
+        openraft::network::Backoff::new(std::iter::repeat(every))
+    }
+
     async fn append_entries(
         &mut self,
         rpc: AppendEntriesRequest<TypeConfig>,

@@ -23,27 +23,9 @@
 use crate::ids::NodeId;
 use crate::raft::Raft;
 use openraft::ServerState;
-use std::sync::Mutex;
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-
-/// When this node last heard from a leader it accepts (an `AppendEntries` or a snapshot chunk
-/// that did not carry an older vote).
-#[derive(Default)]
-pub(crate) struct LeaderContact {
-    last: Mutex<Option<Instant>>,
-}
-
-impl LeaderContact {
-    pub(crate) fn heard(&self) {
-        *self.last.lock().expect("contact lock poisoned") = Some(Instant::now());
-    }
-
-    fn silent_for(&self) -> Option<Duration> {
-        self.last.lock().expect("contact lock poisoned").map(|at| at.elapsed())
-    }
-}
 
 /// How long to wait, and how often to look.
 #[derive(Clone, Copy, Debug)]
@@ -67,12 +49,18 @@ impl Timing {
     }
 }
 
-/// Watches the leader's silence on this node until `stop`, and campaigns when it lasts.
+/// Watches the leader's silence on this node until `stop`, and campaigns when it lasts; never
+/// while the node drains (a stopping node must not take leadership back).
+///
+/// Silence is read from openraft's own record, the instant this node's vote last changed or a
+/// leader's message was last accepted, so a node that has just learnt of a newer leader (a
+/// deposed leader waking from a freeze, say) counts from that moment and does not campaign
+/// against it.
 pub(crate) async fn stand_when_silent(
     raft: Raft,
     me: NodeId,
-    contact: std::sync::Arc<LeaderContact>,
     timing: Timing,
+    draining: CancellationToken,
     stop: CancellationToken,
 ) {
     let mut ticks = tokio::time::interval((timing.step / 2).max(Duration::from_millis(1)));
@@ -82,6 +70,9 @@ pub(crate) async fn stand_when_silent(
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = ticks.tick() => {}
+        }
+        if draining.is_cancelled() {
+            continue;
         }
         let rank = {
             let metrics = raft.metrics();
@@ -96,7 +87,18 @@ pub(crate) async fn stand_when_silent(
         };
         // A learner, a candidate or the leader itself: nothing to do here.
         let Some(rank) = rank else { continue };
-        let Some(silent) = contact.silent_for() else { continue };
+        // Only a committed vote (an established leader) and a known instant count.
+        let heard = raft
+            .with_raft_state(|s| {
+                let committed = s.server_state == ServerState::Follower && s.vote_ref().is_committed();
+                s.vote_last_modified().filter(|_| committed)
+            })
+            .await;
+        let silent = match heard {
+            Ok(Some(at)) => at.elapsed(),
+            Ok(None) => continue,
+            Err(_) => return,
+        };
         if silent < timing.wait(rank) || last_campaign.is_some_and(|t| t.elapsed() < timing.retry_after) {
             continue;
         }
@@ -126,17 +128,5 @@ mod tests {
         };
         assert_eq!(timing.wait(0), Duration::from_millis(400));
         assert_eq!(timing.wait(1), Duration::from_millis(450));
-    }
-
-    #[tokio::test]
-    async fn silence_is_counted_from_the_last_message() {
-        let contact = LeaderContact::default();
-        assert_eq!(contact.silent_for(), None, "never heard: no silence to judge");
-        contact.heard();
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        let silent = contact.silent_for().expect("heard once");
-        assert!(silent >= Duration::from_millis(30), "{silent:?}");
-        contact.heard();
-        assert!(contact.silent_for().expect("heard again") < silent, "a message starts the count again");
     }
 }

@@ -545,7 +545,8 @@ where
         tracing::warn!(node = config.id, "{differs}");
     }
     let network =
-        Network::new(config.dial_from, config.dialer.clone(), config.tls.as_ref().map(|t| t.peer_client()));
+        Network::new(config.dial_from, config.dialer.clone(), config.tls.as_ref().map(|t| t.peer_client()))
+            .retrying_every(config.raft_heartbeat_interval * 2);
     let raft_config = raft_config(&config)?;
     // How long a follower keeps trusting a silent leader (openraft's leader lease), with one
     // heartbeat interval of margin: a handover's campaign waits this long.
@@ -614,20 +615,23 @@ where
         operator,
         crate::tls::admit_client(node.config.tls.is_some()),
     );
-    let contact = Arc::new(failover::LeaderContact::default());
-    let timing = failover::Timing {
-        lease: leader_lease,
-        step: node.config.raft_heartbeat_interval,
-        retry_after: leader_lease,
-    };
-    tasks.push(tokio::spawn(failover::stand_when_silent(
-        raft.clone(),
-        node.config.id,
-        contact.clone(),
-        timing,
-        cancel.clone(),
-    )));
-    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft, leader_lease, contact))
+    // The simulation gives each node its own fixed election timeout so that elections do not
+    // split; a campaign timed by this node's lease alone would undo that.
+    if !node.config.fixed_election_timeout {
+        let timing = failover::Timing {
+            lease: leader_lease,
+            step: node.config.raft_heartbeat_interval,
+            retry_after: leader_lease,
+        };
+        tasks.push(tokio::spawn(failover::stand_when_silent(
+            raft.clone(),
+            node.config.id,
+            timing,
+            node.draining.clone(),
+            cancel.clone(),
+        )));
+    }
+    let transport = RaftTransportServer::new(raft_service::RaftService::new(raft, leader_lease))
         .max_decoding_message_size(MAX_RAFT_MESSAGE_BYTES)
         .max_encoding_message_size(MAX_RAFT_MESSAGE_BYTES);
     let transport = tonic::service::interceptor::InterceptedService::new(

@@ -13,7 +13,7 @@ use crate::raft::{Raft, TypeConfig};
 use crate::store::check_snapshot;
 use crate::tls::Principal;
 use openraft::error::{InstallSnapshotError, RaftError};
-use openraft::raft::{AppendEntriesResponse, InstallSnapshotRequest, InstallSnapshotResponse};
+use openraft::raft::{InstallSnapshotRequest, InstallSnapshotResponse};
 use openraft::storage::Snapshot;
 use openraft::ServerState;
 use std::io::Cursor;
@@ -27,17 +27,11 @@ pub struct RaftService {
     /// The snapshot being received: its id and the bytes so far. One at a time, as openraft
     /// sends them; a chunk of another snapshot, or out of order, starts over or is refused.
     receiving: tokio::sync::Mutex<Option<(String, Vec<u8>)>>,
-    /// Stamped whenever a leader this node accepts is heard from.
-    contact: std::sync::Arc<super::failover::LeaderContact>,
 }
 
 impl RaftService {
-    pub fn new(
-        raft: Raft,
-        leader_lease: std::time::Duration,
-        contact: std::sync::Arc<super::failover::LeaderContact>,
-    ) -> Self {
-        RaftService { raft, leader_lease, receiving: tokio::sync::Mutex::new(None), contact }
+    pub fn new(raft: Raft, leader_lease: std::time::Duration) -> Self {
+        RaftService { raft, leader_lease, receiving: tokio::sync::Mutex::new(None) }
     }
 
     async fn receive_snapshot(
@@ -64,12 +58,10 @@ impl RaftService {
         };
         data.extend_from_slice(&req.data);
         if !req.done {
-            self.contact.heard();
             *receiving = Some((id, data));
             return Ok(Ok(InstallSnapshotResponse { vote: current }));
         }
         drop(receiving);
-        self.contact.heard();
         if let Err(e) = check_snapshot(&data) {
             tracing::warn!(snapshot = %id, error = %e, "refusing a snapshot this build cannot read");
             return Err(Status::invalid_argument(format!("snapshot {id}: {e}")));
@@ -97,11 +89,7 @@ fn encode<T: serde::Serialize>(value: &T) -> Result<Response<RaftPayload>, Statu
 impl RaftTransport for RaftService {
     async fn append_entries(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
         let rpc = decode(req)?;
-        let answer = self.raft.append_entries(rpc).await;
-        if matches!(&answer, Ok(a) if !matches!(a, AppendEntriesResponse::HigherVote(_))) {
-            self.contact.heard();
-        }
-        encode(&answer)
+        encode(&self.raft.append_entries(rpc).await)
     }
 
     async fn vote(&self, req: Request<RaftPayload>) -> Result<Response<RaftPayload>, Status> {
