@@ -31,6 +31,8 @@ const IN_FLIGHT: usize = 8;
 pub struct EtcdCluster {
     children: Vec<Child>,
     pub endpoints: Vec<String>,
+    /// Each member's command line, to start it again after a kill.
+    commands: Vec<Vec<String>>,
     _dir: tempfile::TempDir,
 }
 
@@ -38,32 +40,53 @@ fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
+fn spawn(args: &[String]) -> Result<Child> {
+    Command::new("etcd")
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting etcd (Debian package etcd-server)")
+}
+
+/// etcd's own timing: a heartbeat and an election timeout, in milliseconds (its defaults are 100
+/// and 1000).
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    pub heartbeat_ms: u64,
+    pub election_ms: u64,
+}
+
 impl EtcdCluster {
     pub async fn start() -> Result<EtcdCluster> {
+        EtcdCluster::start_with(Timing { heartbeat_ms: 100, election_ms: 1000 }).await
+    }
+
+    pub async fn start_with(timing: Timing) -> Result<EtcdCluster> {
         let dir = tempfile::tempdir()?;
         let ports: Vec<(u16, u16)> =
             (0..3).map(|_| Ok((free_port()?, free_port()?))).collect::<Result<_>>()?;
         let initial: Vec<String> =
             ports.iter().enumerate().map(|(i, (_, peer))| format!("e{i}=http://127.0.0.1:{peer}")).collect();
-        let mut children = Vec::new();
+        let mut commands = Vec::new();
         for (i, (client, peer)) in ports.iter().enumerate() {
-            let child = Command::new("etcd")
-                .args(["--name", &format!("e{i}")])
-                .args(["--data-dir", &dir.path().join(format!("e{i}")).display().to_string()])
-                .args(["--listen-client-urls", &format!("http://127.0.0.1:{client}")])
-                .args(["--advertise-client-urls", &format!("http://127.0.0.1:{client}")])
-                .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
-                .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
-                .args(["--initial-cluster", &initial.join(",")])
-                .args(["--initial-cluster-state", "new"])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .context("starting etcd (Debian package etcd-server)")?;
-            children.push(child);
+            let pairs = [
+                ("--name", format!("e{i}")),
+                ("--data-dir", dir.path().join(format!("e{i}")).display().to_string()),
+                ("--listen-client-urls", format!("http://127.0.0.1:{client}")),
+                ("--advertise-client-urls", format!("http://127.0.0.1:{client}")),
+                ("--listen-peer-urls", format!("http://127.0.0.1:{peer}")),
+                ("--initial-advertise-peer-urls", format!("http://127.0.0.1:{peer}")),
+                ("--initial-cluster", initial.join(",")),
+                ("--initial-cluster-state", "new".to_string()),
+                ("--heartbeat-interval", timing.heartbeat_ms.to_string()),
+                ("--election-timeout", timing.election_ms.to_string()),
+            ];
+            commands.push(pairs.into_iter().flat_map(|(k, v)| [k.to_string(), v]).collect::<Vec<_>>());
         }
+        let children = commands.iter().map(|args| spawn(args)).collect::<Result<Vec<_>>>()?;
         let endpoints: Vec<String> = ports.iter().map(|(c, _)| format!("http://127.0.0.1:{c}")).collect();
-        let cluster = EtcdCluster { children, endpoints, _dir: dir };
+        let cluster = EtcdCluster { children, endpoints, commands, _dir: dir };
         // Ready when every member answers on its own.
         let until = Instant::now() + Duration::from_secs(30);
         loop {
@@ -89,15 +112,47 @@ impl EtcdCluster {
 impl EtcdCluster {
     /// The process id of the member that leads now.
     pub async fn leader_pid(&self) -> Result<u32> {
+        let i = self.leader_other_than(None).await.context("no etcd member says it leads")?;
+        Ok(self.children[i].id())
+    }
+
+    /// The member (index) that says it leads, skipping `gone`; a member that does not answer
+    /// within 100 ms (killed or frozen) is passed over.
+    pub async fn leader_other_than(&self, gone: Option<usize>) -> Option<usize> {
         for (i, endpoint) in self.endpoints.iter().enumerate() {
-            let mut c = Client::connect([endpoint.clone()], None).await?;
-            let status = c.status().await?;
-            let me = status.header().map(|h| h.member_id()).unwrap_or(0);
-            if me != 0 && me == status.leader() {
-                return Ok(self.children[i].id());
+            if Some(i) == gone {
+                continue;
+            }
+            let ask = async {
+                let mut c = Client::connect([endpoint.clone()], None).await.ok()?;
+                let status = c.status().await.ok()?;
+                let me = status.header().map(|h| h.member_id()).unwrap_or(0);
+                Some(me != 0 && me == status.leader())
+            };
+            if let Ok(Some(true)) = tokio::time::timeout(Duration::from_millis(100), ask).await {
+                return Some(i);
             }
         }
-        bail!("no etcd member says it leads")
+        None
+    }
+
+    /// SIGKILL for member `i`, and waits for it.
+    pub fn kill(&mut self, i: usize) {
+        let _ = self.children[i].kill();
+        let _ = self.children[i].wait();
+    }
+
+    /// Starts member `i` again on its data directory, after `kill`.
+    pub fn restart(&mut self, i: usize) -> Result<()> {
+        self.children[i] = spawn(&self.commands[i])?;
+        Ok(())
+    }
+
+    /// SIGSTOP (`pause`) or SIGCONT for member `i`.
+    pub fn signal_pause(&self, i: usize, pause: bool) {
+        let signal = if pause { libc::SIGSTOP } else { libc::SIGCONT };
+        // SAFETY: kill(2) on a child this cluster started and has not reaped.
+        unsafe { libc::kill(self.children[i].id() as libc::pid_t, signal) };
     }
 }
 
