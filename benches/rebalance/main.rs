@@ -155,8 +155,12 @@ async fn run(quick: bool, only: Option<&str>) -> Result<(String, String)> {
             failover::leader_failure(&mut table, Duration::from_secs(ttl), if quick { 3 } else { 10 })
                 .await?;
             eprintln!("leader failure under a worker at TTL {ttl} s measured");
-            match failover::etcd_leader_failure(&mut table, Duration::from_secs(ttl), if quick { 3 } else { 10 })
-                .await
+            match failover::etcd_leader_failure(
+                &mut table,
+                Duration::from_secs(ttl),
+                if quick { 3 } else { 10 },
+            )
+            .await
             {
                 Ok(()) => eprintln!("etcd leader failure under a worker at TTL {ttl} s measured"),
                 Err(e) => eprintln!("etcd leader failure at TTL {ttl} s skipped: {e:#}"),
