@@ -5,11 +5,12 @@ use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::ownership::{check_join, Command, Event, Rejection, Response as SmResponse, SecretHash};
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
+use crate::store::Delivery;
 use crate::tls::Caller;
 use rand::RngCore;
 use std::pin::Pin;
 use std::sync::Arc;
-use tokio::sync::{broadcast, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
@@ -436,8 +437,9 @@ impl Coordinator for CoordinatorService {
         check_secret(&req.secret)?;
         self.node.ensure_leader()?;
         let session = SessionId(req.session_id);
-        // Subscribe before reading the snapshot, so nothing falls between the two.
-        let mut events = self.node.sm.subscribe();
+        // Subscribe before reading the snapshot, so nothing falls between the two. Only the
+        // entries that name this session reach the stream (see `store::SessionFanOut`).
+        let mut events = self.node.sm.subscribe_session(session);
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
             authorize_session(&applied.state, &caller, session, &SecretHash::of(&req.secret))?;
@@ -471,19 +473,16 @@ impl Coordinator for CoordinatorService {
                     received = events.recv() => received,
                 };
                 let applied = match received {
-                    Ok(applied) if !applied.snapshot || applied.index <= from_index => applied,
-                    // A snapshot replaced entries this stream did not see one by one.
-                    Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    Some(Delivery::Entry(applied)) => applied,
+                    // A snapshot replaced entries this stream did not see one by one, or the
+                    // stream fell so far behind that its queue overflowed.
+                    Some(Delivery::Resync) | None => {
                         send_or_stop(
                             &tx,
                             Err(Status::aborted("watch fell behind; reconnect to resynchronise")),
                             &service.node.stopping,
                         )
                         .await;
-                        return;
-                    }
-                    Err(broadcast::error::RecvError::Closed) => {
-                        send_or_stop(&tx, Err(service.node.stopped().into()), &service.node.stopping).await;
                         return;
                     }
                 };

@@ -18,11 +18,13 @@
 mod db;
 mod log_store;
 mod replay;
+mod session_fan_out;
 mod state_machine;
 
 pub use db::{open, Db};
 pub use log_store::LogStore;
 pub use replay::{replay_applied, ReplayError, ReplayedEntry};
+pub use session_fan_out::{Delivery, SessionEvents, SessionFanOut};
 pub use state_machine::{
     check_snapshot, decode_table_snapshot, encode_table_snapshot, AppliedEvent, SharedState,
     StateMachineStore,

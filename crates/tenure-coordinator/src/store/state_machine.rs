@@ -11,6 +11,7 @@
 //! snapshot replaces the table, `last_applied` and the stored snapshot in one synced batch.
 
 use super::db::{cf, decode, encode, io_error, synced, Db, CF_PARTITIONS, CF_SESSIONS, CF_SM_META};
+use super::session_fan_out::{SessionEvents, SessionFanOut};
 use crate::codec::FormatError;
 use crate::ids::SessionId;
 use crate::ownership::{Config, Event, OwnershipState, PartitionRecord, Response, SessionRecord, Settings};
@@ -110,6 +111,8 @@ pub struct StateMachineStore {
     db: Db,
     shared: SharedState,
     events: broadcast::Sender<Arc<AppliedEvent>>,
+    /// The same entries, each to the ownership streams of the sessions it names.
+    sessions: SessionFanOut,
     snapshot_seq: Arc<AtomicU64>,
 }
 
@@ -129,6 +132,7 @@ impl StateMachineStore {
             db,
             shared: Arc::new(RwLock::new(applied)),
             events,
+            sessions: SessionFanOut::default(),
             snapshot_seq: Arc::new(AtomicU64::new(0)),
         })
     }
@@ -139,6 +143,11 @@ impl StateMachineStore {
 
     pub fn subscribe(&self) -> broadcast::Receiver<Arc<AppliedEvent>> {
         self.events.subscribe()
+    }
+
+    /// Subscribes to the entries that name `session` (see [`SessionFanOut`]).
+    pub fn subscribe_session(&self, session: SessionId) -> SessionEvents {
+        self.sessions.subscribe(session)
     }
 
     /// Subscribes, then reads how far the state machine had applied: every entry after that
@@ -331,6 +340,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             self.persist(&mut applied, false, None)?;
         }
         for event in published {
+            self.sessions.publish(&event);
             // No receivers is normal (a follower with no watchers).
             let _ = self.events.send(event);
         }
@@ -366,6 +376,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         *applied = installed;
         drop(applied);
         let index = meta.last_log_id.map_or(0, |l| l.index);
+        self.sessions.resync_all();
         let _ = self.events.send(Arc::new(AppliedEvent { index, events: Vec::new(), snapshot: true }));
         Ok(())
     }
