@@ -96,6 +96,11 @@ impl Story {
                 .filter(|p| self.state.partition(PartitionId(*p)).unwrap().owner == Some(*session))
                 .collect();
             assert_eq!(self.owned(*session), scanned, "owner index of session {session}");
+            // The name index answers what a scan of the sessions does.
+            let name = &self.state.session(*session).unwrap().name;
+            let named: Vec<SessionId> =
+                self.state.sessions().iter().filter(|(_, r)| &r.name == name).map(|(s, _)| *s).collect();
+            assert_eq!(self.state.sessions_named(name).collect::<Vec<_>>(), named, "name index of {name}");
         }
     }
 }

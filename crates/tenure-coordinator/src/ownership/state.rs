@@ -90,6 +90,11 @@ pub struct OwnershipState {
     /// the leader can tell a settled table without a pass over it.
     #[serde(skip)]
     unowned: usize,
+    /// Sessions per worker name, derived from `sessions` like `owned`, so finding a name's
+    /// sessions (a join's predecessor, a gauge per worker) costs that name's sessions, not every
+    /// session's.
+    #[serde(skip)]
+    named: BTreeMap<String, BTreeSet<SessionId>>,
     #[serde(skip)]
     revoking: usize,
 }
@@ -125,6 +130,10 @@ impl OwnershipState {
                 owned.entry(owner).or_default().insert(p as u32);
             }
         }
+        let mut named: BTreeMap<String, BTreeSet<SessionId>> = BTreeMap::new();
+        for (session, record) in &sessions {
+            named.entry(record.name.clone()).or_default().insert(*session);
+        }
         let unowned = partitions.iter().filter(|r| r.owner.is_none()).count();
         let revoking = partitions.iter().filter(|r| r.revoking).count();
         OwnershipState {
@@ -136,6 +145,7 @@ impl OwnershipState {
             changes: Changes::default(),
             owned,
             unowned,
+            named,
             revoking,
         }
     }
@@ -178,7 +188,12 @@ impl OwnershipState {
     /// The live sessions of worker `name` that are not leaving: the one a worker runs, or none
     /// (a restart supersedes the older session, which is then leaving).
     pub fn live_sessions_named<'a>(&'a self, name: &'a str) -> impl Iterator<Item = SessionId> + 'a {
-        self.sessions.iter().filter(move |(_, r)| r.name == name && !r.leaving).map(|(s, _)| *s)
+        self.sessions_named(name).filter(|s| self.sessions.get(s).is_some_and(|r| !r.leaving))
+    }
+
+    /// Every session of worker `name`, leaving ones included, in session order.
+    pub fn sessions_named<'a>(&'a self, name: &str) -> impl Iterator<Item = SessionId> + 'a {
+        self.named.get(name).into_iter().flatten().copied()
     }
 
     /// What a `SetWeight` of `name` to `weight` must satisfy, apply and the server alike (so a
@@ -616,15 +631,31 @@ impl OwnershipState {
     }
 
     fn end_session(&mut self, session: SessionId, events: &mut Vec<Event>) {
-        if self.sessions.remove(&session).is_some() {
+        if let Some(record) = self.sessions.remove(&session) {
+            self.unname(session, &record.name);
             self.changes.sessions.insert(session);
             events.push(Event::SessionEnded { session });
         }
     }
 
     fn put_session(&mut self, session: SessionId, record: SessionRecord) {
-        self.sessions.insert(session, record);
+        self.named.entry(record.name.clone()).or_default().insert(session);
+        if let Some(old) = self.sessions.insert(session, record) {
+            if self.sessions[&session].name != old.name {
+                self.unname(session, &old.name);
+            }
+        }
         self.changes.sessions.insert(session);
+    }
+
+    /// Drops `session` from the name index under `name`.
+    fn unname(&mut self, session: SessionId, name: &str) {
+        if let Some(set) = self.named.get_mut(name) {
+            set.remove(&session);
+            if set.is_empty() {
+                self.named.remove(name);
+            }
+        }
     }
 
     /// Every change to a partition row goes through here, which keeps the owner index true.

@@ -2,11 +2,12 @@
 //! lease table, propose expiries, and acknowledge renewals in batches after a quorum round.
 
 use super::{CoordinatorError, Node, PendingRenewal};
+use crate::ids::SessionId;
 use crate::lease::{Due, LeaseTable};
 use crate::ownership::{Command, Event};
 use crate::store::AppliedEvent;
 use openraft::ServerState;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -273,14 +274,37 @@ fn observe(node: &Node, applied: &AppliedEvent) {
         }
     }
     drop(leases);
-    if applied.events.iter().any(|e| {
-        matches!(
-            e,
-            Event::Granted { .. } | Event::Revoking { .. } | Event::Lost { .. } | Event::Released { .. }
-        )
-    }) {
-        publish_owned(node);
+    let touched: BTreeSet<SessionId> = applied
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Granted { session, .. }
+            | Event::Revoking { session, .. }
+            | Event::Lost { session, .. }
+            | Event::Released { session, .. } => Some(*session),
+            _ => None,
+        })
+        .collect();
+    if !touched.is_empty() {
+        publish_owned_by(node, &touched);
     }
+}
+
+/// Sets `tenure_owned_partitions{worker}` for the names of `sessions` only (the ones an applied
+/// entry changed), and the moves in flight: an entry costs the workers it touched, not every
+/// worker (with 10,000 sessions, setting every gauge after every entry was most of a join
+/// storm's CPU).
+fn publish_owned_by(node: &Node, sessions: &BTreeSet<SessionId>) {
+    let state = node.state.read().expect("state lock poisoned");
+    let state = &state.state;
+    let names: BTreeSet<&str> =
+        sessions.iter().filter_map(|s| state.session(*s)).map(|r| r.name.as_str()).collect();
+    for name in names {
+        let count: usize = state.sessions_named(name).map(|s| state.owned_count(s)).sum();
+        metrics::gauge!("tenure_owned_partitions", "worker" => name.to_string()).set(count as f64);
+    }
+    metrics::gauge!("tenure_moves_in_flight", "node" => node.config.id.to_string())
+        .set(state.revoking_count() as f64);
 }
 
 /// Sets `tenure_owned_partitions{worker}` for every worker name with a session, from the
