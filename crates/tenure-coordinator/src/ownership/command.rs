@@ -205,3 +205,17 @@ pub enum Event {
         name: Option<String>,
     },
 }
+
+impl Event {
+    /// The partition and session of an ownership change (a grant, revoke, release or loss);
+    /// `None` for every other event.
+    pub fn ownership(&self) -> Option<(PartitionId, SessionId)> {
+        match *self {
+            Event::Granted { partition, session, .. }
+            | Event::Revoking { partition, session, .. }
+            | Event::Released { partition, session, .. }
+            | Event::Lost { partition, session, .. } => Some((partition, session)),
+            _ => None,
+        }
+    }
+}

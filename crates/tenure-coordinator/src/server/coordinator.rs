@@ -575,14 +575,8 @@ impl Coordinator for CoordinatorService {
                     applied
                         .events
                         .iter()
-                        .filter_map(|e| match e {
-                            Event::Granted { partition, .. }
-                            | Event::Revoking { partition, .. }
-                            | Event::Released { partition, .. }
-                            | Event::Lost { partition, .. } => Some(*partition),
-                            _ => None,
-                        })
-                        .map(|p| route_of(&state.state, p))
+                        .filter_map(|e| e.ownership())
+                        .map(|(p, _)| route_of(&state.state, p))
                         .collect()
                 };
                 for row in rows {

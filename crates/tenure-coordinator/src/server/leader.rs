@@ -274,17 +274,8 @@ fn observe(node: &Node, applied: &AppliedEvent) {
         }
     }
     drop(leases);
-    let touched: BTreeSet<SessionId> = applied
-        .events
-        .iter()
-        .filter_map(|e| match e {
-            Event::Granted { session, .. }
-            | Event::Revoking { session, .. }
-            | Event::Lost { session, .. }
-            | Event::Released { session, .. } => Some(*session),
-            _ => None,
-        })
-        .collect();
+    let touched: BTreeSet<SessionId> =
+        applied.events.iter().filter_map(|e| e.ownership()).map(|(_, s)| s).collect();
     if !touched.is_empty() {
         publish_owned_by(node, &touched);
     }

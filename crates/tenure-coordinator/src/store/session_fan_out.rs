@@ -37,12 +37,8 @@ pub enum Delivery {
 /// The session an event is about, if it is about one session's ownership.
 fn session_of(event: &Event) -> Option<SessionId> {
     match *event {
-        Event::Granted { session, .. }
-        | Event::Revoking { session, .. }
-        | Event::Released { session, .. }
-        | Event::Lost { session, .. }
-        | Event::SessionEnded { session } => Some(session),
-        _ => None,
+        Event::SessionEnded { session } => Some(session),
+        _ => event.ownership().map(|(_, session)| session),
     }
 }
 
