@@ -5,6 +5,8 @@
 //!   TTL the cluster was created with and told its workers.
 //! - Releasing of one's own accord, leaving and dropping a `Worker` gave partitions away before
 //!   the worker stopped believing in them.
+//! - A lease TTL shortened at run time must not let a leader (a new one above all) expire a lease
+//!   before the longer TTL its worker was told when it last renewed.
 //! - A leave that is not followed by a release (a client other than our library, or one that
 //!   died between the two calls) revoked nothing: the leave entry emitted no event, so the
 //!   leader never decided again.
@@ -56,8 +58,9 @@ async fn first_applied(feeds: &mut Feeds, pick: impl Fn(&Event) -> bool) -> Even
     let wait = async {
         loop {
             // Whichever node applies next; `recv` is cancel-safe, so the others lose nothing.
+            assert!(!feeds.nodes.is_empty(), "every watched node stopped");
             let next = feeds.nodes.iter_mut().map(|feed| Box::pin(feed.recv()));
-            let (received, _, _) = futures::future::select_all(next).await;
+            let (received, which, _) = futures::future::select_all(next).await;
             match received {
                 Ok(applied) if applied.index > after => {
                     if let Some(e) = applied.events.iter().find(|e| pick(e)) {
@@ -65,7 +68,10 @@ async fn first_applied(feeds: &mut Feeds, pick: impl Fn(&Event) -> bool) -> Even
                     }
                 }
                 Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
-                Err(broadcast::error::RecvError::Closed) => panic!("a node stopped while watched"),
+                // A node stopped on purpose (a killed leader): the others still apply.
+                Err(broadcast::error::RecvError::Closed) => {
+                    feeds.nodes.remove(which);
+                }
             }
         }
     };
@@ -274,5 +280,123 @@ async fn a_leave_without_a_release_still_revokes_everything() {
     let status = settled(&c, 1).await;
     assert!(status.partitions.iter().all(|p| p.owner == b.session().0));
     heartbeats.abort();
+    c.shutdown().await;
+}
+
+/// An operator's client on the current leader.
+async fn operator(
+    c: &LocalCluster,
+) -> tenure::proto::operator_client::OperatorClient<tonic::transport::Channel> {
+    let leader = c.leader().expect("a leader");
+    let principal = tenure::tls::Principal::Operator("ops".into());
+    tenure::proto::operator_client::OperatorClient::new(channel_as(c, leader, &principal).await)
+}
+
+/// The worst case for a TTL change: a worker renewed under 4 s goes silent, the TTL is cut to
+/// 500 ms, and the leader is killed before anything else happens. The new leader must still
+/// wait out the 4 s that worker was told; judging by 500 ms it would expire the worker (and give
+/// its partitions away) about three seconds while it still believes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_shortened_ttl_expires_no_lease_before_the_ttl_its_worker_was_told() {
+    init_tracing();
+    let dir = tempfile::tempdir().unwrap();
+    let told = Duration::from_millis(4000);
+    let mut c = LocalCluster::start(3, dir.path(), |n| {
+        fast(n);
+        n.lease_ttl = told;
+    })
+    .await
+    .expect("cluster starts");
+    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let (a, b, _events, handles) = two_workers(&c).await;
+    assert_eq!(a.lease_ttl(), told);
+    assert!(!handles.is_empty());
+    let session = a.session();
+    let mut feeds = feeds(&c);
+    let latest = |handles: &BTreeMap<PartitionId, PartitionHandle>| {
+        handles.values().filter_map(PartitionHandle::valid_until).max()
+    };
+    let before = latest(&handles).unwrap_or_else(Instant::now);
+    a.abandon(); // no more heartbeats: its last renewal was under 4 s
+    let believed_until = latest(&handles).map_or(before, |after| after.max(before));
+
+    let mut ops = operator(&c).await;
+    let set = ops.set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: 500 }).await;
+    assert_eq!(set.expect("an operator sets the TTL").into_inner().was_ms, 4000);
+    let leader = c.leader().expect("a leader");
+    c.stop(leader).await;
+    c.wait_for_leader(PATIENCE).await.expect("a new leader");
+    let status = c.status().await.expect("status");
+    assert_eq!(status.lease_ttl_ms, 500);
+    assert_eq!(status.lease_ttl_ceiling_ms, 4000, "the change is not settled yet");
+
+    let lost = first_applied(&mut feeds, gives_away(session)).await;
+    let lost_at = Instant::now();
+    assert!(
+        lost_at >= believed_until,
+        "{lost:?} was applied {:?} before the silent worker stopped believing",
+        believed_until - lost_at
+    );
+    // The live worker follows the new TTL from its next renewal, and the change settles once
+    // the new leader has waited out the old TTL.
+    eventually("b follows the new TTL", || async {
+        (b.lease_ttl() == Duration::from_millis(500)).then_some(())
+    })
+    .await;
+    eventually("the change settles", || async {
+        c.status().await.ok().filter(|s| s.lease_ttl_ceiling_ms == 0 && s.lease_ttl_ms == 500)
+    })
+    .await;
+    let status = settled(&c, 1).await;
+    assert!(status.partitions.iter().all(|p| p.owner == b.session().0));
+    c.shutdown().await;
+}
+
+/// A longer TTL and a revoke budget changed at run time: workers follow the TTL (they renew
+/// less often and hold their leases longer), the next moves keep to the budget, and bad values
+/// are refused with a typed error that changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_ttl_and_the_revoke_budget_change_at_run_time_and_bad_values_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cluster(dir.path()).await;
+    let (a, _b, _events, handles) = two_workers(&c).await;
+    let mut ops = operator(&c).await;
+    for ms in [0, 50, 86_400_001] {
+        let refused = ops.set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: ms }).await;
+        let status = refused.expect_err("out of range");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{ms}: {status:?}");
+    }
+    let refused =
+        ops.set_revoke_budget(tenure::proto::SetRevokeBudgetRequest { max_revoking: Some(0) }).await;
+    assert_eq!(refused.expect_err("a budget of 0").code(), tonic::Code::InvalidArgument);
+    let status = c.status().await.expect("status");
+    assert_eq!((status.lease_ttl_ms, status.max_revoking, status.lease_ttl_ceiling_ms), (1000, None, 0));
+
+    let set = ops.set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: 3000 }).await.unwrap();
+    assert_eq!(set.into_inner().was_ms, 1000);
+    eventually("a follows the longer TTL", || async {
+        (a.lease_ttl() == Duration::from_secs(3)).then_some(())
+    })
+    .await;
+    // A lease now runs well past the old TTL from its last renewal.
+    let now = Instant::now();
+    let longest = eventually("a renews under the longer TTL", || async {
+        handles.values().filter_map(PartitionHandle::valid_until).max().filter(|v| *v > now + TTL)
+    })
+    .await;
+    assert!(longest <= Instant::now() + Duration::from_secs(3), "a lease beyond the TTL");
+
+    let set = ops.set_revoke_budget(tenure::proto::SetRevokeBudgetRequest { max_revoking: Some(1) }).await;
+    assert_eq!(set.unwrap().into_inner().was, None);
+    let c2 = worker(&c, "c").await;
+    // With a budget of one, the newcomer's partitions come one at a time.
+    let status = eventually("the table settles for three, one move at a time", || async {
+        let s = c.status().await.ok()?;
+        assert!(s.revoking <= 1, "{} partitions in motion with a budget of one", s.revoking);
+        tenure::local_cluster::is_settled(&s, 3).then_some(s)
+    })
+    .await;
+    assert_eq!(status.max_revoking, Some(1));
+    assert!(status.partitions.iter().any(|p| p.owner == c2.session().0));
     c.shutdown().await;
 }

@@ -49,8 +49,8 @@ fn renewals_extend_from_their_arrival_and_never_shorten() {
     let t0 = Instant::now();
     let mut table = LeaseTable::new(TTL);
     table.reset(t0, &state);
-    assert!(table.renew(a, t0 + 500 * MS));
-    assert!(table.renew(a, t0 + 100 * MS), "a late-arriving older renewal is accepted");
+    assert!(table.renew(a, t0 + 500 * MS).is_some());
+    assert!(table.renew(a, t0 + 100 * MS).is_some(), "a late-arriving older renewal is accepted");
     let due = table.due(t0 + TTL + MS);
     assert_eq!(due.sessions, vec![b], "a runs until 1500 ms");
     assert!(table.due(t0 + 1499 * MS).sessions.contains(&b), "b stays due until its expiry is applied");
@@ -65,7 +65,7 @@ fn a_session_reported_due_is_never_renewed() {
     table.reset(t0, &state);
     let due = table.due(t0 + TTL);
     assert!(due.sessions.contains(&a));
-    assert!(!table.renew(a, t0 + TTL - MS), "a renewal racing the expiry decision loses");
+    assert!(table.renew(a, t0 + TTL - MS).is_none(), "a renewal racing the expiry decision loses");
     assert!(!table.renewable(a, t0));
     table.observe(t0 + TTL, &[Event::SessionEnded { session: a }]);
     assert!(!table.due(t0 + TTL * 5).sessions.contains(&a), "an applied expiry is not reported again");
@@ -79,11 +79,11 @@ fn revoking_partitions_keep_the_deadline_they_had_when_revoked() {
     table.observe(t0, &[Event::SessionStarted { session: a, name: "a".into() }]);
     let p = PartitionId(3);
     table.observe(t0 + 200 * MS, &[Event::Revoking { partition: p, session: a, token: FencingToken(2) }]);
-    assert!(table.renew(a, t0 + 900 * MS));
+    assert!(table.renew(a, t0 + 900 * MS).is_some());
     let due = table.due(t0 + TTL);
     assert_eq!(
         due,
-        Due { sessions: vec![], revoking: vec![(p, a, FencingToken(2))] },
+        Due { sessions: vec![], revoking: vec![(p, a, FencingToken(2))], settle: None },
         "the revoked lease was not extended"
     );
     // Released and granted: no longer tracked, and the move latency is reported.
@@ -96,27 +96,97 @@ fn revoking_partitions_keep_the_deadline_they_had_when_revoked() {
     assert!(table.due(t0 + TTL * 3).revoking.is_empty());
 }
 
+/// The TTL change event a `SetLeaseTtl` at `changed_at` emits.
+fn changed(ttl: Duration, ceiling: Duration, changed_at: u64) -> Event {
+    Event::LeaseTtlChanged {
+        lease_ttl_ms: ttl.as_millis() as u64,
+        ceiling_ms: ceiling.as_millis() as u64,
+        changed_at,
+    }
+}
+
 #[test]
-fn the_cluster_ttl_applies_to_renewals_from_now_on_and_moves_no_deadline_earlier() {
-    // The leader's table starts with a guess (no configuration applied yet) and follows the
-    // replicated TTL once it is known.
+fn a_ttl_change_applies_to_renewals_from_now_on_and_moves_no_deadline_earlier() {
     let t0 = Instant::now();
     let mut table = LeaseTable::new(TTL);
     let a = SessionId(1);
     table.observe(t0, &[Event::SessionStarted { session: a, name: "a".into() }]);
-    assert!(table.renew(a, t0));
-    table.set_ttl(TTL * 4);
+    assert_eq!(table.renew(a, t0), Some(TTL));
+    table.observe(t0, &[changed(TTL * 4, TTL * 4, 9)]);
     assert_eq!(table.ttl(), TTL * 4);
-    assert!(table.renew(a, t0 + MS));
-    assert!(table.due(t0 + TTL * 4).is_empty(), "renewed under the cluster's TTL");
+    // Each renewal says which TTL it was granted under: the worker is told the new one.
+    assert_eq!(table.renew(a, t0 + MS), Some(TTL * 4));
+    assert!(table.due(t0 + TTL * 4).sessions.is_empty(), "renewed under the new TTL");
     assert_eq!(table.due(t0 + TTL * 4 + MS).sessions, vec![a]);
     // A shorter TTL does not take back what was promised.
     let mut table = LeaseTable::new(TTL * 4);
     table.observe(t0, &[Event::SessionStarted { session: a, name: "a".into() }]);
-    assert!(table.renew(a, t0));
-    table.set_ttl(TTL);
-    assert!(table.renew(a, t0 + MS));
-    assert!(table.due(t0 + TTL * 4 - MS).is_empty(), "no deadline moves earlier");
+    assert_eq!(table.renew(a, t0), Some(TTL * 4));
+    table.observe(t0, &[changed(TTL, TTL * 4, 9)]);
+    assert_eq!(table.renew(a, t0 + MS), Some(TTL));
+    assert!(table.due(t0 + TTL * 4 - MS).sessions.is_empty(), "no deadline moves earlier");
+}
+
+/// A cluster whose TTL went from 1 s to 250 ms at the returned index, not yet settled.
+fn shortened() -> (OwnershipState, SessionId, u64) {
+    let (mut state, a, _) = state_with_two_sessions();
+    let at = 100;
+    assert_eq!(
+        state.apply(at, &Command::SetLeaseTtl { lease_ttl_ms: 250 }).0,
+        Response::LeaseTtlSet { was_ms: 1000 }
+    );
+    (state, a, at)
+}
+
+#[test]
+fn a_new_leader_waits_out_the_longer_ttl_until_the_change_is_settled() {
+    let t0 = Instant::now();
+    let (state, a, at) = shortened();
+    // A worker renewed just before the change was told 1 s. A new leader judges renewals by
+    // 250 ms but expires nothing before 1 s from its start.
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    assert_eq!(table.ttl(), TTL / 4);
+    assert_eq!(table.renew(a, t0 + MS), Some(TTL / 4));
+    let due = table.due(t0 + TTL - MS);
+    assert!(due.sessions.is_empty() && due.revoking.is_empty() && due.settle.is_none(), "{due:?}");
+    // Once the ceiling has passed since its start, the change is due for settling.
+    let due = table.due(t0 + TTL);
+    assert_eq!(due.settle, Some(at));
+    assert_eq!(due.sessions.len(), 2);
+    // Settled: the next leader judges by 250 ms alone.
+    let mut settled = state.clone();
+    let (response, events) = settled.apply(at + 1, &Command::SettleLeaseTtl { changed_at: at });
+    assert_eq!(response, Response::LeaseTtlSettled { settled: true });
+    table.observe(t0 + TTL, &events);
+    assert_eq!(table.due(t0 + TTL).settle, None);
+    let mut next = LeaseTable::for_new_term(t0, &settled, TTL);
+    assert!(next.due(t0 + TTL / 4 - MS).sessions.is_empty());
+    assert_eq!(next.due(t0 + TTL / 4).sessions.len(), 2);
+    assert_eq!(next.due(t0 + TTL / 4).settle, None);
+}
+
+#[test]
+fn the_leader_that_applies_a_change_settles_it_one_ceiling_later() {
+    let t0 = Instant::now();
+    let (state, _, at) = shortened();
+    let mut table = LeaseTable::new(TTL);
+    table.reset(t0, &state_with_two_sessions().0);
+    // The change is seen applied 50 ms in: a renewal answered just before it was told 1 s.
+    table.observe(t0 + 50 * MS, &[changed(TTL / 4, TTL, at)]);
+    assert_eq!(table.next_deadline(), Some(t0 + TTL), "the sessions' deadlines come first");
+    assert_eq!(table.due(t0 + 50 * MS + TTL - MS).settle, None);
+    assert_eq!(table.due(t0 + 50 * MS + TTL).settle, Some(at));
+    assert_eq!(table.next_deadline(), Some(t0 + 50 * MS + TTL), "then the settling");
+    // A second change before the first settled: only the latest is settled, a ceiling after it.
+    table.observe(t0 + 500 * MS, &[changed(TTL / 2, TTL, at + 5)]);
+    assert_eq!(table.due(t0 + 500 * MS + TTL - MS).settle, None);
+    assert_eq!(table.due(t0 + 500 * MS + TTL).settle, Some(at + 5));
+    // Settling the older change is refused by the state machine and changes nothing here.
+    let mut state = state;
+    state.apply(at + 5, &Command::SetLeaseTtl { lease_ttl_ms: 500 });
+    let (response, events) = state.apply(at + 6, &Command::SettleLeaseTtl { changed_at: at });
+    assert_eq!((response, events), (Response::LeaseTtlSettled { settled: false }, vec![]));
+    assert_eq!(state.config().unwrap().ttl_ceiling_ms(), 1000);
 }
 
 #[test]
@@ -126,7 +196,7 @@ fn a_first_heartbeat_that_overtakes_the_sessions_start_is_renewed() {
     let mut table = LeaseTable::new(TTL);
     let a = SessionId(7);
     assert!(table.renewable(a, t0));
-    assert!(table.renew(a, t0));
+    assert!(table.renew(a, t0).is_some());
     // Observing its start afterwards does not move the deadline the renewal set.
     table.observe(t0 + 300 * MS, &[Event::SessionStarted { session: a, name: "a".into() }]);
     assert!(table.due(t0 + TTL - MS).is_empty());
@@ -144,19 +214,42 @@ fn a_new_term_judges_by_the_clusters_ttl_whatever_the_nodes_flag_says() {
         assert_eq!(table.ttl(), TTL);
         assert!(table.due(t0 + TTL - MS).is_empty());
         assert_eq!(table.due(t0 + TTL).sessions.len(), 2);
-        assert!(!table.adopt(state.config()), "already on the cluster's TTL");
+        assert!(!table.follow(state.config()), "already on the cluster's TTL");
     }
     // Before the configuration is applied, the table starts from the value the node proposes,
     // and takes the cluster's the moment the configuration is seen, once.
     let unconfigured = OwnershipState::default();
     let mut table = LeaseTable::for_new_term(t0, &unconfigured, Duration::from_secs(4));
     assert_eq!(table.ttl(), Duration::from_secs(4));
-    assert!(!table.adopt(unconfigured.config()));
-    assert!(table.adopt(state.config()));
+    assert!(!table.follow(unconfigured.config()));
+    assert!(table.follow(state.config()));
     assert_eq!(table.ttl(), TTL);
-    assert!(!table.adopt(state.config()));
+    assert!(!table.follow(state.config()));
     // A session it meets from now on (a first heartbeat) runs on the cluster's TTL.
-    assert!(table.renew(a, t0));
+    assert!(table.renew(a, t0).is_some());
     assert!(table.due(t0 + TTL - MS).is_empty());
     assert_eq!(table.due(t0 + TTL).sessions, vec![a]);
+}
+
+#[test]
+fn a_change_a_new_leader_applies_after_taking_over_holds_every_lease_to_its_ceiling() {
+    // The previous leader applied a longer TTL and told workers of it; this node took over
+    // before applying that entry, so it started on the old TTL. Once it applies the change,
+    // every lease runs at least the new ceiling from its start.
+    let t0 = Instant::now();
+    let (state, a, _) = state_with_two_sessions();
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    table.observe(t0 + 30 * MS, &[changed(TTL * 3, TTL * 3, 50)]);
+    let due = table.due(t0 + TTL * 3 - MS);
+    assert!(due.sessions.is_empty() && due.revoking.is_empty(), "{due:?}");
+    assert_eq!(table.due(t0 + TTL * 3).sessions.len(), 2);
+    // On a leader that applied the change itself, long after its start, nothing moves.
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    assert_eq!(table.renew(a, t0 + TTL / 2), Some(TTL));
+    table.observe(t0 + TTL / 2, &[changed(TTL / 2, TTL, 50)]);
+    assert!(table.due(t0 + TTL - MS).sessions.is_empty());
+    let due = table.due(t0 + TTL).sessions;
+    assert!(due.len() == 1 && !due.contains(&a), "only the session not renewed: {due:?}");
+    assert!(!table.due(t0 + TTL / 2 + TTL - MS).sessions.contains(&a));
+    assert!(table.due(t0 + TTL / 2 + TTL).sessions.contains(&a));
 }

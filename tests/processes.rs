@@ -437,6 +437,28 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     let refused = ctl(&coordinators, &certs, &["move", "3"]).unwrap_err();
     assert!(refused.contains("--to"), "{refused}");
 
+    // The lease TTL and the revoke budget, changed at run time and back.
+    let status = ctl_json(&coordinators, &certs, &["status"]).unwrap();
+    let ttl = status["lease_ttl_ms"].as_u64().expect("a TTL");
+    let set = ctl_json(&coordinators, &certs, &["lease-ttl", &(ttl * 2).to_string()]).unwrap();
+    assert_eq!(set, serde_json::json!({ "lease_ttl_ms": ttl * 2, "was_ms": ttl }));
+    let status = ctl_json(&coordinators, &certs, &["status"]).unwrap();
+    assert_eq!(
+        (status["lease_ttl_ms"].as_u64(), status["lease_ttl_ceiling_ms"].as_u64()),
+        (Some(ttl * 2), Some(ttl * 2))
+    );
+    let back = ctl_json(&coordinators, &certs, &["lease-ttl", &ttl.to_string()]).unwrap();
+    assert_eq!(back["was_ms"], ttl * 2);
+    let refused = ctl(&coordinators, &certs, &["lease-ttl", "5"]).unwrap_err();
+    assert!(refused.contains("invalid_config") || refused.contains("outside"), "{refused}");
+    let budget = ctl_json(&coordinators, &certs, &["revoke-budget", "4"]).unwrap();
+    assert_eq!(budget, serde_json::json!({ "max_revoking": 4, "was": null }));
+    assert!(ctl(&coordinators, &certs, &["status"]).unwrap().contains("at most 4 partitions in motion"));
+    let budget = ctl_json(&coordinators, &certs, &["revoke-budget", "--unlimited"]).unwrap();
+    assert_eq!(budget, serde_json::json!({ "max_revoking": null, "was": 4 }));
+    let refused = ctl(&coordinators, &certs, &["revoke-budget", "0"]).unwrap_err();
+    assert!(refused.contains("invalid_config") || refused.contains("at least 1"), "{refused}");
+
     // Drain: the worker's session is set leaving, as its own leave would set it. With no other
     // worker to move its partitions to, it keeps them (and renews them) meanwhile.
     let drained = ctl_json(&coordinators, &certs, &["drain", "proc-worker"]).unwrap();

@@ -4,6 +4,7 @@
 use tenure::ids::{FencingToken, PartitionId, SessionId};
 use tenure::ownership::{
     Command, Config, Event, Grant, LostReason, OwnershipState, Rejection, Response, Revoke, SecretHash,
+    TtlChange,
 };
 use tenure::planner::{self, Rules};
 
@@ -261,8 +262,8 @@ fn rejected_commands_change_nothing() {
         (
             Command::Configure { partition_count: 8, lease_ttl_ms: 1000, max_revoking: None },
             Rejection::ConfigMismatch {
-                have: Config { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None },
-                want: Config { partition_count: 8, lease_ttl_ms: 1000, max_revoking: None },
+                have: Config { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None },
+                want: Config { partition_count: 8, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None },
             },
         ),
     ];
@@ -367,7 +368,7 @@ fn an_expiry_of_an_older_revoke_leaves_a_newer_revoke_of_the_same_partition_alon
         PartitionRecord { owner: Some(s1), token: FencingToken(7), revoking: true, next: None },
         PartitionRecord { owner: Some(SessionId(2)), token: FencingToken(5), revoking: false, next: None },
     ];
-    let config = Config { partition_count: 2, lease_ttl_ms: 1000, max_revoking: None };
+    let config = Config { partition_count: 2, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, sessions, 2);
     let stale = Command::ExpireRevoking { partitions: vec![(PartitionId(0), s1, FencingToken(3))] };
     let (response, events) = state.apply(8, &stale);
@@ -397,7 +398,7 @@ fn a_late_release_of_an_older_grant_leaves_the_newer_grant_alone() {
     let record = SessionRecord { name: "w1".into(), weight: 1, secret: SecretHash::of("s"), leaving: false };
     let partitions =
         vec![PartitionRecord { owner: Some(s1), token: FencingToken(24), revoking: false, next: None }];
-    let config = Config { partition_count: 1, lease_ttl_ms: 1000, max_revoking: None };
+    let config = Config { partition_count: 1, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, BTreeMap::from([(s1, record)]), 1);
     let late = Command::Release {
         session: s1,
@@ -586,7 +587,7 @@ fn every_change_placement_reads_is_announced_by_an_event() {
     // The leader decides again only after an entry that emitted events: a configuration, a
     // leave or a superseded session that said nothing would never be acted on.
     let mut s = Story { state: OwnershipState::default(), index: 0 };
-    let config = Config { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None };
+    let config = Config { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None };
     let (_, events) =
         s.commit_alone(Command::Configure { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None });
     assert_eq!(events, vec![Event::Configured { config }]);
@@ -618,7 +619,7 @@ fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
         let pick = |rng: &mut rand::rngs::StdRng, sessions: &[(SessionId, SecretHash)]| {
             (!sessions.is_empty()).then(|| sessions[rng.random_range(0..sessions.len())])
         };
-        let command = match rng.random_range(0..10) {
+        let command = match rng.random_range(0..12) {
             0 => {
                 let name = format!("w{}", rng.random_range(0..5));
                 let secret = SecretHash::of(&format!("s{step}"));
@@ -657,6 +658,14 @@ fn an_entry_that_emits_no_event_leaves_the_leaders_next_decision_as_it_was() {
                 None => Command::Expire { sessions: vec![SessionId(999)] },
             },
             7 => Command::Configure { partition_count: 16, lease_ttl_ms: 1000, max_revoking: None },
+            8 => Command::SetRevokeBudget { max_revoking: [None, Some(1), Some(3)][rng.random_range(0..3)] },
+            9 => match rng.random_range(0..3) {
+                0 => Command::SetLeaseTtl { lease_ttl_ms: [500, 1000, 2000][rng.random_range(0..3)] },
+                1 => Command::SettleLeaseTtl {
+                    changed_at: s.state.config().and_then(|c| c.ttl_change).map_or(1, |c| c.changed_at),
+                },
+                _ => Command::SetLeaseTtl { lease_ttl_ms: 5 },
+            },
             _ => match planner::plan(&s.state, &Rules::default()) {
                 Some(place) => place,
                 None => continue,
@@ -818,4 +827,78 @@ fn an_operators_pin_moves_one_partition_gracefully_and_the_table_balances_around
     let unpinned = Event::Pinned { partition: PartitionId(p), name: None };
     assert_eq!((r, events), (Response::Pinned { was: Some("w2".into()) }, vec![unpinned]));
     assert_eq!(owner(&s, p), Some(w2b));
+}
+
+#[test]
+fn the_lease_ttl_changes_at_run_time_and_stays_unsettled_until_the_leader_says() {
+    let (mut s, _, _) = Story::balanced_pair(4);
+    let before = s.state.clone();
+    // Out of range: refused, nothing changes.
+    for ms in [0, 99, 24 * 60 * 60 * 1000 + 1] {
+        let (r, events) = s.commit_alone(Command::SetLeaseTtl { lease_ttl_ms: ms });
+        assert!(matches!(r, Response::Rejected(Rejection::InvalidConfig(_))), "{ms}: {r:?}");
+        assert!(events.is_empty() && s.unchanged_since(&before));
+    }
+    // Shorter: renewals use 250 ms from now on, and a worker may still believe 1 s.
+    let (r, events) = s.commit_alone(Command::SetLeaseTtl { lease_ttl_ms: 250 });
+    let first = s.index;
+    assert_eq!(r, Response::LeaseTtlSet { was_ms: 1000 });
+    assert_eq!(
+        events,
+        vec![Event::LeaseTtlChanged { lease_ttl_ms: 250, ceiling_ms: 1000, changed_at: first }]
+    );
+    let config = s.state.config().unwrap();
+    assert_eq!(config.lease_ttl_ms, 250);
+    assert_eq!(config.ttl_change, Some(TtlChange { ceiling_ms: 1000, changed_at: first }));
+    // Longer again before it settled: the ceiling is the longest of the three.
+    s.commit_alone(Command::SetLeaseTtl { lease_ttl_ms: 600 });
+    let second = s.index;
+    assert_eq!(s.state.config().unwrap().ttl_ceiling_ms(), 1000);
+    // The same TTL again: no change, no event, the change stays as it was.
+    let (r, events) = s.commit_alone(Command::SetLeaseTtl { lease_ttl_ms: 600 });
+    assert_eq!((r, events), (Response::LeaseTtlSet { was_ms: 600 }, vec![]));
+    // Settling the first change does nothing: the second is pending.
+    let (r, events) = s.commit_alone(Command::SettleLeaseTtl { changed_at: first });
+    assert_eq!((r, events), (Response::LeaseTtlSettled { settled: false }, vec![]));
+    let (r, events) = s.commit_alone(Command::SettleLeaseTtl { changed_at: second });
+    assert_eq!(r, Response::LeaseTtlSettled { settled: true });
+    assert_eq!(events, vec![Event::LeaseTtlSettled { changed_at: second }]);
+    let config = s.state.config().unwrap();
+    assert_eq!((config.lease_ttl_ms, config.ttl_change, config.ttl_ceiling_ms()), (600, None, 600));
+    // A snapshot carries the configuration as it is now; restarting with the old flags is a
+    // mismatch the cluster's values win, not a reconfiguration.
+    let restored: OwnershipState = serde_json::from_slice(&serde_json::to_vec(&s.state).unwrap()).unwrap();
+    assert_eq!(restored.config(), s.state.config());
+    let (r, _) =
+        s.commit_alone(Command::Configure { partition_count: 4, lease_ttl_ms: 1000, max_revoking: None });
+    assert!(matches!(r, Response::Rejected(Rejection::ConfigMismatch { .. })), "{r:?}");
+    s.check();
+}
+
+#[test]
+fn the_revoke_budget_changes_at_run_time_and_the_next_decisions_keep_to_it() {
+    let mut s = Story::new(8);
+    let (w1, secret1) = s.join("w1");
+    let (r, events) = s.commit_alone(Command::SetRevokeBudget { max_revoking: Some(1) });
+    assert_eq!(r, Response::RevokeBudgetSet { was: None });
+    assert_eq!(events, vec![Event::RevokeBudgetChanged { max_revoking: Some(1) }]);
+    let (r, _) = s.commit_alone(Command::SetRevokeBudget { max_revoking: Some(0) });
+    assert!(matches!(r, Response::Rejected(Rejection::InvalidConfig(_))), "{r:?}");
+    let (w2, _) = s.join("w2");
+    let mut waves = 0;
+    while !s.revoking(w1).is_empty() {
+        assert_eq!(s.revoking(w1).len(), 1, "one partition in motion at a time");
+        waves += 1;
+        if waves == 2 {
+            // Lifted mid-move: the rest move at once.
+            s.commit_alone(Command::SetRevokeBudget { max_revoking: None });
+            s.commit(Command::Expire { sessions: vec![] });
+            assert_eq!(s.revoking(w1).len(), 3, "the one in motion and the two still to go");
+        }
+        let partitions = s.revoking(w1);
+        s.commit(Command::Release { tokens: vec![], session: w1, secret: secret1, partitions });
+        s.check();
+    }
+    assert_eq!(waves, 2);
+    assert_eq!((s.owned(w1).len(), s.owned(w2).len()), (4, 4));
 }

@@ -74,7 +74,8 @@ fn balanced(partitions: u32, workers: usize) -> OwnershipState {
             (m.session, record)
         })
         .collect();
-    let config = Config { partition_count: partitions, lease_ttl_ms: 5000, max_revoking: None };
+    let config =
+        Config { partition_count: partitions, lease_ttl_ms: 5000, max_revoking: None, ttl_change: None };
     OwnershipState::from_parts(Some(config), rows, sessions, workers as u64)
 }
 

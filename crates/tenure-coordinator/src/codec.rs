@@ -21,9 +21,11 @@ use serde::Serialize;
 /// secrets kept and carried only as hashes; 4, each member's peer and client addresses (two
 /// listeners); 5, operator settings (maintenance mode, weights by name) in the state and its
 /// snapshots, and the commands that change them; 6, partitions pinned to a worker name in the
-/// operator settings, and the `Pin` command. An older store is refused by name rather than
+/// operator settings, and the `Pin` command; 7, the lease TTL and the revoke budget changed at run
+/// time (`SetLeaseTtl`, `SettleLeaseTtl`, `SetRevokeBudget`, an unsettled TTL change in the
+/// configuration). An older store is refused by name rather than
 /// read as something it is not.
-pub const FORMAT: u8 = 6;
+pub const FORMAT: u8 = 7;
 
 /// Why bytes could not be read as a value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -12,8 +12,17 @@
 //!   heartbeats do not extend it.
 //! - A new leader starts every lease at the moment it took over plus `ttl` ([`LeaseTable::reset`]),
 //!   so it never expires a lease earlier than the old leader could have.
-//! - `ttl` is the cluster's replicated TTL, the one workers were told when they joined, never a
-//!   node's own setting; changing it ([`LeaseTable::set_ttl`]) never moves a deadline earlier.
+//! - `ttl` is the cluster's replicated TTL, never a node's own setting, and a renewal is answered
+//!   with the TTL its deadline was computed from ([`LeaseTable::renew`]), so what a worker is
+//!   told and what the leader enforces cannot differ. Following a TTL change
+//!   ([`LeaseTable::follow`]) never moves a deadline earlier.
+//! - While a TTL change is unsettled, a new term starts every lease the change's ceiling from
+//!   now (the longest TTL a worker may still believe in); the table reports the change due for
+//!   settling ([`Due::settle`]) only once it has run for that ceiling since both its term began
+//!   and it saw the change.
+//! - A TTL change this table sees only after its term began (a new leader applies the entries
+//!   its predecessor committed a little later) moves every pending deadline to at least the
+//!   change's ceiling from the term's start: the predecessor may have told workers the new TTL.
 //! - An expiry of a revoking partition names the grant (its token) it was computed for, so it
 //!   cannot take away a later revoke of the same partition from the same session.
 
@@ -56,12 +65,22 @@ pub struct Due {
     pub sessions: Vec<SessionId>,
     /// Each revoking grant whose lease ran out: partition, owner, and the grant's token.
     pub revoking: Vec<(PartitionId, SessionId, FencingToken)>,
+    /// The TTL change (its log index) that no lease granted before it can outlive any more.
+    pub settle: Option<u64>,
 }
 
 impl Due {
     pub fn is_empty(&self) -> bool {
-        self.sessions.is_empty() && self.revoking.is_empty()
+        self.sessions.is_empty() && self.revoking.is_empty() && self.settle.is_none()
     }
+}
+
+/// An unsettled TTL change as this table follows it: once `safe_at` has passed, no worker can
+/// believe a lease granted under a TTL before the change.
+#[derive(Clone, Copy, Debug)]
+struct Unsettled {
+    changed_at: u64,
+    safe_at: Instant,
 }
 
 /// See the module docs.
@@ -71,13 +90,24 @@ pub struct LeaseTable {
     /// Whether `ttl` is the cluster's replicated TTL yet (false only on a leader that took over
     /// before the cluster's configuration was applied).
     configured: bool,
+    unsettled: Option<Unsettled>,
+    /// When this table last started over ([`LeaseTable::reset`]): every renewal another leader
+    /// answered came before it.
+    started: Option<Instant>,
     sessions: HashMap<SessionId, SessionLease>,
     revoking: HashMap<PartitionId, RevokingLease>,
 }
 
 impl LeaseTable {
     pub fn new(ttl: Duration) -> Self {
-        LeaseTable { ttl, configured: true, sessions: HashMap::new(), revoking: HashMap::new() }
+        LeaseTable {
+            ttl,
+            configured: true,
+            unsettled: None,
+            started: None,
+            sessions: HashMap::new(),
+            revoking: HashMap::new(),
+        }
     }
 
     /// The table a node starts a term of leadership with, at `now`: every lease one TTL from
@@ -93,34 +123,36 @@ impl LeaseTable {
         table
     }
 
-    /// Takes the cluster's TTL from its applied configuration, once; returns whether it did now.
-    pub fn adopt(&mut self, config: Option<crate::ownership::Config>) -> bool {
-        match (self.configured, config) {
-            (false, Some(config)) => {
-                self.set_ttl(Duration::from_millis(config.lease_ttl_ms));
-                self.configured = true;
-                true
-            }
-            _ => false,
-        }
+    /// Follows the cluster's TTL in its applied configuration (which may be applied after the
+    /// table was built, or change at run time); returns whether the TTL changed. Only renewals
+    /// and sessions from now on use it: a deadline already set is never moved earlier, since a
+    /// worker may have been told it.
+    pub fn follow(&mut self, config: Option<crate::ownership::Config>) -> bool {
+        let Some(config) = config else { return false };
+        let ttl = Duration::from_millis(config.lease_ttl_ms);
+        let changed = !self.configured || ttl != self.ttl;
+        self.ttl = ttl;
+        self.configured = true;
+        changed
     }
 
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
 
-    /// Follows the cluster's TTL (the leader learns it from the replicated configuration, which
-    /// may be applied after the table was built). Only renewals and sessions from now on use it;
-    /// a deadline already set is never moved earlier, since a worker may have been told it.
-    pub fn set_ttl(&mut self, ttl: Duration) {
-        self.ttl = ttl;
-    }
-
-    /// Starts over on taking leadership: every lease runs until `now + ttl`.
+    /// Starts over on taking leadership (or after missing applied events): every lease runs
+    /// until `now` plus the longest TTL a worker may believe in, the ceiling of an unsettled TTL
+    /// change if there is one, and an unsettled change becomes safe to settle a ceiling from now.
     pub fn reset(&mut self, now: Instant, state: &OwnershipState) {
         self.sessions.clear();
         self.revoking.clear();
-        let deadline = now + self.ttl;
+        let ceiling = state.config().map_or(self.ttl, |c| Duration::from_millis(c.ttl_ceiling_ms()));
+        let deadline = now + ceiling.max(self.ttl);
+        self.started = Some(now);
+        self.unsettled = state
+            .config()
+            .and_then(|c| c.ttl_change)
+            .map(|c| Unsettled { changed_at: c.changed_at, safe_at: deadline });
         for session in state.sessions().keys() {
             self.sessions.insert(*session, SessionLease { deadline, expiring: false });
         }
@@ -135,6 +167,16 @@ impl LeaseTable {
                 };
                 self.revoking.insert(PartitionId(p as u32), lease);
             }
+        }
+    }
+
+    /// Moves every lease still pending to at least `deadline`.
+    fn extend_all_to(&mut self, deadline: Instant) {
+        for lease in self.sessions.values_mut().filter(|l| !l.expiring) {
+            lease.deadline = lease.deadline.max(deadline);
+        }
+        for lease in self.revoking.values_mut().filter(|l| l.phase == RevokePhase::Pending) {
+            lease.deadline = lease.deadline.max(deadline);
         }
     }
 
@@ -178,9 +220,35 @@ impl LeaseTable {
                         moves.push(now.saturating_duration_since(lease.since));
                     }
                 }
+                Event::LeaseTtlChanged { lease_ttl_ms, ceiling_ms, changed_at } => {
+                    self.ttl = Duration::from_millis(*lease_ttl_ms);
+                    self.configured = true;
+                    let ceiling = Duration::from_millis(*ceiling_ms);
+                    // A leader may take over before it has applied every committed entry: a
+                    // change the previous leader applied (and told workers of) can reach this
+                    // table only now. Every lease then runs at least the ceiling from this
+                    // table's start, as if the change had been applied when it started.
+                    if let Some(started) = self.started {
+                        self.extend_all_to(started + ceiling);
+                    }
+                    let safe_at = now + ceiling;
+                    // A table that started its term after this change already waits out the
+                    // ceiling from its start; never earlier than that.
+                    let safe_at = self
+                        .unsettled
+                        .filter(|u| u.changed_at == *changed_at)
+                        .map_or(safe_at, |u| u.safe_at.max(safe_at));
+                    self.unsettled = Some(Unsettled { changed_at: *changed_at, safe_at });
+                }
+                Event::LeaseTtlSettled { changed_at } => {
+                    if self.unsettled.is_some_and(|u| u.changed_at == *changed_at) {
+                        self.unsettled = None;
+                    }
+                }
                 // A leaving session keeps its lease until its partitions are revoked and
-                // released; the configuration reaches the table through `adopt`.
+                // released; the configuration reaches the table through `follow`.
                 Event::SessionLeaving { .. }
+                | Event::RevokeBudgetChanged { .. }
                 | Event::Configured { .. }
                 | Event::MaintenanceChanged { .. }
                 | Event::WeightChanged { .. }
@@ -190,24 +258,25 @@ impl LeaseTable {
         moves
     }
 
-    /// Records a renewal that arrived at `received` for a session the replicated state holds.
-    /// False when the session is already due for expiry: the renewal must then be refused.
+    /// Records a renewal that arrived at `received` for a session the replicated state holds,
+    /// and returns the TTL its new deadline was computed from: what the worker must be told.
+    /// `None` when the session is already due for expiry: the renewal must then be refused.
     ///
     /// A session the table has not heard of has started (the caller found it in the state)
     /// but its start has not been observed here yet: the first heartbeat of a new worker can
     /// overtake the applied events, all the more when the entry that started it also granted
     /// a large table. It starts now, as observing its start would have.
-    pub fn renew(&mut self, session: SessionId, received: Instant) -> bool {
+    pub fn renew(&mut self, session: SessionId, received: Instant) -> Option<Duration> {
         let ttl = self.ttl;
         let lease = self
             .sessions
             .entry(session)
             .or_insert(SessionLease { deadline: received + ttl, expiring: false });
         if lease.expiring {
-            return false;
+            return None;
         }
         lease.deadline = lease.deadline.max(received + ttl);
-        true
+        Some(ttl)
     }
 
     /// Whether a renewal for `session` could still succeed (used before the quorum round). A
@@ -234,6 +303,7 @@ impl LeaseTable {
         }
         due.sessions.sort();
         due.revoking.sort();
+        due.settle = self.unsettled.filter(|u| u.safe_at <= now).map(|u| u.changed_at);
         due
     }
 
@@ -263,6 +333,7 @@ impl LeaseTable {
     pub fn next_deadline(&self) -> Option<Instant> {
         let s = self.sessions.values().filter(|l| !l.expiring).map(|l| l.deadline);
         let r = self.revoking.values().filter(|l| l.phase == RevokePhase::Pending).map(|l| l.deadline);
-        s.chain(r).min()
+        let settle = self.unsettled.map(|u| u.safe_at);
+        s.chain(r).chain(settle).min()
     }
 }

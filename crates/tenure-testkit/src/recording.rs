@@ -26,7 +26,10 @@ pub fn decision(event: &Event) -> Option<(PartitionId, SessionId, FencingToken, 
         | Event::SessionEnded { .. }
         | Event::MaintenanceChanged { .. }
         | Event::WeightChanged { .. }
-        | Event::Pinned { .. } => None,
+        | Event::Pinned { .. }
+        | Event::LeaseTtlChanged { .. }
+        | Event::LeaseTtlSettled { .. }
+        | Event::RevokeBudgetChanged { .. } => None,
     }
 }
 

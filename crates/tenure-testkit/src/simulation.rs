@@ -67,6 +67,9 @@ pub struct SimConfig {
     /// A deliberate bug for the checker to catch (the library's order before it was fixed): a
     /// release is sent first and belief withdrawn only when its answer arrives.
     pub release_before_withdraw: bool,
+    /// A deliberate bug for the checker to catch: a new leader ignores an unsettled lease TTL
+    /// change and starts every lease by the current TTL, shorter than the one workers were told.
+    pub forget_ttl_ceiling: bool,
     /// The cluster's revoke budget (odd seeds have one of 1 to 3 partitions, so a sweep covers
     /// moves in waves).
     pub max_revoking: Option<u32>,
@@ -87,6 +90,7 @@ impl SimConfig {
             fencing: true,
             lease_from_reply: false,
             release_before_withdraw: false,
+            forget_ttl_ceiling: false,
             max_revoking: (seed % 2 == 1).then_some(1 + (seed / 2 % 3) as u32),
         }
     }
@@ -109,7 +113,7 @@ const WRITE_EVERY: Micros = 25 * MS;
 /// A join with no answer is sent again after this, as the library's bounded retries do.
 const JOIN_RETRY: Micros = 300 * MS;
 /// How many kinds of fault [`Sim::inject`] knows.
-const FAULT_KINDS: u32 = 8;
+const FAULT_KINDS: u32 = 9;
 
 #[derive(Clone, Debug)]
 enum Ev {
@@ -170,7 +174,12 @@ enum Ev {
         session: SessionId,
         sent_local: Micros,
         renewed: Vec<(PartitionId, FencingToken)>,
+        /// The TTL the leader renewed the lease by, as every answer says.
+        ttl: Duration,
     },
+    /// The end of a TTL change fault: an operator sets the cluster's TTL back, retrying until
+    /// it is applied.
+    RestoreTtl,
     SessionGone {
         w: usize,
         session: SessionId,
@@ -453,6 +462,31 @@ impl Sim {
                     length / MS
                 )
             }
+            8 if self.leader_up => {
+                // An operator shortens the TTL to a fifth to a half of the cluster's, and sets
+                // it back when the fault heals. A leader that took over meanwhile must still wait
+                // out the longer TTL that earlier renewals were granted under.
+                let ttl_ms = self.config.lease_ttl_ms;
+                let short_ms = self.rng.random_range(ttl_ms / 5..=ttl_ms / 2);
+                self.propose_now(Command::SetLeaseTtl { lease_ttl_ms: short_ms });
+                self.at(length, Ev::RestoreTtl);
+                let what =
+                    format!("the lease TTL is set to {short_ms} ms, then back after {} ms", length / MS);
+                if self.workers[w].cut || !self.rng.random_bool(0.5) {
+                    what
+                } else {
+                    // The hard case: a worker last renewed under the longer TTL is cut off at
+                    // once, and the leader crashes just after the change commits.
+                    self.workers[w].cut = true;
+                    self.at(length, Ev::Heal { w });
+                    let crash = self.rng.random_range(10 * MS..100 * MS);
+                    self.at(crash, Ev::LeaderCrash);
+                    format!(
+                        "{what}; {} is cut from the coordinator and the leader crashes",
+                        self.workers[w].name
+                    )
+                }
+            }
             _ => return,
         };
         self.history.faults.push(Fault { what, start_ns, healed_ns: (self.now + length) * 1000 });
@@ -630,10 +664,13 @@ impl Sim {
                 }
                 let at = self.instant(received);
                 // As the server does: the session must be in the applied state to be renewed.
-                if self.state.session(session).is_none() || !self.leases.renew(session, at) {
-                    self.send(w, Ev::SessionGone { w, session });
-                    return;
-                }
+                let ttl = match self.leases.renew(session, at) {
+                    Some(ttl) if self.state.session(session).is_some() => ttl,
+                    _ => {
+                        self.send(w, Ev::SessionGone { w, session });
+                        return;
+                    }
+                };
                 let renewed: Vec<(PartitionId, FencingToken)> = self
                     .state
                     .owned_by(session)
@@ -641,7 +678,7 @@ impl Sim {
                     .filter(|(_, r)| !r.revoking)
                     .map(|(p, r)| (p, r.token))
                     .collect();
-                self.send(w, Ev::HeartbeatReply { w, session, sent_local, renewed });
+                self.send(w, Ev::HeartbeatReply { w, session, sent_local, renewed, ttl });
             }
             Ev::ExpiryCheck => {
                 self.at(EXPIRY_CHECK, Ev::ExpiryCheck);
@@ -655,6 +692,18 @@ impl Sim {
                 if !due.revoking.is_empty() {
                     self.propose_now(Command::ExpireRevoking { partitions: due.revoking });
                 }
+                if let Some(changed_at) = due.settle {
+                    self.propose_now(Command::SettleLeaseTtl { changed_at });
+                }
+            }
+            Ev::RestoreTtl => {
+                let want = self.config.lease_ttl_ms;
+                if self.state.config().is_some_and(|c| c.lease_ttl_ms != want) {
+                    if self.leader_up {
+                        self.propose_now(Command::SetLeaseTtl { lease_ttl_ms: want });
+                    }
+                    self.at(100 * MS, Ev::RestoreTtl);
+                }
             }
             Ev::LeaderCrash => {
                 self.leader_up = false;
@@ -667,7 +716,17 @@ impl Sim {
                 self.leader_up = true;
                 // As a server taking over does, whatever its own flags say.
                 let now = self.instant(self.now);
-                self.leases = LeaseTable::for_new_term(now, &self.state, self.next_leader_ttl);
+                self.leases = if self.config.forget_ttl_ceiling {
+                    // The planted bug: a new leader that judges leases by the current TTL alone,
+                    // as if every TTL change were settled.
+                    let mut view = self.state.clone();
+                    if let Some(change) = view.config().and_then(|c| c.ttl_change) {
+                        view.apply(0, &Command::SettleLeaseTtl { changed_at: change.changed_at });
+                    }
+                    LeaseTable::for_new_term(now, &view, self.next_leader_ttl)
+                } else {
+                    LeaseTable::for_new_term(now, &self.state, self.next_leader_ttl)
+                };
                 self.next_leader_ttl = Duration::from_millis(self.config.lease_ttl_ms);
                 // The old leader's decision in flight died with it.
                 self.placing = false;
@@ -691,7 +750,8 @@ impl Sim {
                 );
                 // The tick chain of this life: heartbeats once joined, a retried join if not.
                 let life = self.workers[w].life;
-                self.at(self.config.ttl() / 4, Ev::Tick { w, life });
+                let every = self.workers[w].belief.ttl().as_micros() as Micros / 4;
+                self.at(every, Ev::Tick { w, life });
             }
             Ev::Thaw { w } => {
                 let worker = &mut self.workers[w];
@@ -746,9 +806,14 @@ impl Sim {
             }
             Ev::Tick { w, life } => self.tick(w, life),
             Ev::WriteTick { w, life } => self.write_tick(w, life),
-            Ev::HeartbeatReply { w, session, sent_local, renewed } => {
+            Ev::HeartbeatReply { w, session, sent_local, renewed, ttl } => {
                 if self.workers[w].session != Some(session) {
                     return;
+                }
+                // As the library does: the lease runs by the TTL the answer names, less the
+                // default margin of a fifth of it, and so does the heartbeat pace from now on.
+                if ttl != self.workers[w].belief.ttl() {
+                    self.workers[w].belief.retime(ttl, ttl / 5);
                 }
                 let now = self.clock(w, self.now);
                 let sent = if self.config.lease_from_reply {
@@ -832,7 +897,7 @@ impl Sim {
         self.place();
         let now = self.instant(self.now);
         // As the server's leader does after each applied entry.
-        self.leases.adopt(self.state.config());
+        self.leases.follow(self.state.config());
         self.leases.observe(now, &events);
         let decisions = crate::recording::committed(1, self.index, self.now * 1000, &events);
         self.history.coordinator.extend(decisions);
@@ -864,7 +929,9 @@ impl Sim {
         if self.workers[w].life != life {
             return;
         }
-        let interval = (self.config.ttl() / 4) as f64 / self.workers[w].rate;
+        // A quarter of the TTL the last renewal named, on the worker's drifting clock.
+        let every = self.workers[w].belief.ttl().as_micros() as Micros / 4;
+        let interval = every as f64 / self.workers[w].rate;
         self.at(interval as Micros, Ev::Tick { w, life });
         let worker = &self.workers[w];
         let Some(session) = worker.session else {
@@ -941,7 +1008,10 @@ impl Sim {
             | Event::SessionEnded { .. }
             | Event::MaintenanceChanged { .. }
             | Event::WeightChanged { .. }
-            | Event::Pinned { .. } => Vec::new(),
+            | Event::Pinned { .. }
+            | Event::LeaseTtlChanged { .. }
+            | Event::LeaseTtlSettled { .. }
+            | Event::RevokeBudgetChanged { .. } => Vec::new(),
         };
         self.changes(w, changes);
     }

@@ -131,6 +131,13 @@ impl Belief {
         self.margin
     }
 
+    /// The cluster's TTL changed: heartbeats answered from now on give leases by `ttl`, less
+    /// `margin`. A lease already given keeps its end (it was granted under the TTL before).
+    pub fn retime(&mut self, ttl: Duration, margin: Duration) {
+        self.ttl = ttl;
+        self.margin = margin;
+    }
+
     /// The lease a heartbeat sent at `sent` gives: `sent + ttl - margin`.
     pub fn lease_from(&self, sent: Instant) -> Instant {
         sent + self.ttl.saturating_sub(self.margin)

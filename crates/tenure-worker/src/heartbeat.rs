@@ -58,7 +58,7 @@ impl HeartbeatStream {
         &mut self,
         client: &Client,
         request: proto::HeartbeatRequest,
-    ) -> Result<Vec<proto::PartitionLease>, ClientError> {
+    ) -> Result<(Vec<proto::PartitionLease>, Option<Duration>), ClientError> {
         self.requests
             .send(request)
             .await
@@ -72,9 +72,12 @@ impl HeartbeatStream {
                     self.renewing.extend(answer.renewed.iter().map(|l| (l.partition, l.token)));
                     if !answer.more {
                         let renewing = self.renewing.iter();
-                        return Ok(renewing
+                        let leases = renewing
                             .map(|(&partition, &token)| proto::PartitionLease { partition, token })
-                            .collect());
+                            .collect();
+                        let ttl =
+                            (answer.lease_ttl_ms > 0).then(|| Duration::from_millis(answer.lease_ttl_ms));
+                        return Ok((leases, ttl));
                     }
                 }
                 Ok(None) => return Err(ClientError::Unavailable("heartbeat stream ended".into())),
@@ -88,7 +91,8 @@ impl HeartbeatStream {
 }
 
 impl Worker {
-    /// Renews the session every `every` (or at once when the stream names a new grant), over one
+    /// Renews the session every heartbeat interval (a quarter of the cluster's TTL unless
+    /// configured; it follows a TTL change), or at once when the stream names a new grant, over one
     /// long-lived stream to the leader, one heartbeat outstanding at a time. Each answer extends
     /// the leases from the instant its heartbeat was sent; meanwhile the deadline task lets
     /// leases run out.
@@ -101,17 +105,13 @@ impl Worker {
     /// interval before the failure, its lease lasts `TTL - margin` from that send, and the
     /// attempt that finds the leader silent gives up half a TTL after it, which leaves the
     /// election and the first renewal on the new leader the rest.
-    pub(super) fn heartbeat_loop(
-        &self,
-        every: Duration,
-    ) -> impl std::future::Future<Output = ()> + Send + 'static {
+    pub(super) fn heartbeat_loop(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared) = (self.client.clone(), self.shared.clone());
         let request = proto::HeartbeatRequest {
             session_id: self.session.0,
             secret: self.secret.clone(),
             ..Default::default()
         };
-        let patience = shared.ttl / 4;
         let request_release = proto::ReleaseRequest {
             session_id: self.session.0,
             secret: self.secret.clone(),
@@ -119,9 +119,11 @@ impl Worker {
         };
         async move {
             let mut stream: Option<HeartbeatStream> = None;
+            let mut every = shared.heartbeat_every();
             let mut retries = retry_pauses(every);
             let mut failing = false;
             loop {
+                let patience = shared.ttl() / 4;
                 let sent = Instant::now();
                 let attempt = async {
                     if stream.is_none() {
@@ -141,8 +143,8 @@ impl Worker {
                     Err(ClientError::Unavailable(format!("no heartbeat answer within {patience:?}")))
                 });
                 let pause = match outcome {
-                    Ok(renewed) => {
-                        let unreleased = shared.renewed(sent, &renewed);
+                    Ok((renewed, ttl)) => {
+                        let unreleased = shared.renewed(sent, &renewed, ttl);
                         let leaving = shared.leaving.load(std::sync::atomic::Ordering::SeqCst);
                         if !unreleased.is_empty() && !leaving {
                             // A release that did not get through: sent again beside the
@@ -159,6 +161,7 @@ impl Worker {
                             });
                         }
                         failing = false;
+                        every = shared.heartbeat_every();
                         retries = retry_pauses(every);
                         if let Some(s) = &stream {
                             shared.heartbeats_at(&s.addr);

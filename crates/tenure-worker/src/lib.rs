@@ -172,22 +172,23 @@ impl Worker {
             })
             .await?;
         let ttl = Duration::from_millis(joined.lease_ttl_ms);
-        let margin = config.safety_margin.unwrap_or(ttl / 5);
-        let every = config.heartbeat_interval.unwrap_or(ttl / 4);
-        if margin >= ttl || every >= ttl - margin {
-            // Leases would lapse between heartbeats: give the new session back, then refuse.
-            let _ = leave_session(&client, SessionId(joined.session_id), joined.secret).await;
-            return Err(ClientError::InvalidArgument(format!(
-                "heartbeat interval {every:?} and safety margin {margin:?} do not fit the cluster's lease TTL {ttl:?}"
-            )));
-        }
+        let pacing = shared::Pacing { margin: config.safety_margin, every: config.heartbeat_interval };
+        let margin = match pacing.under(ttl) {
+            Ok((margin, _)) => margin,
+            Err(why) => {
+                // Leases would lapse between heartbeats: give the new session back, then refuse.
+                let _ = leave_session(&client, SessionId(joined.session_id), joined.secret).await;
+                return Err(ClientError::InvalidArgument(why));
+            }
+        };
         let keyspace =
             KeySpace::new(joined.partition_count).map_err(|e| ClientError::Other(e.to_string()))?;
         let capacity =
             config.event_capacity.unwrap_or_else(|| default_event_capacity(joined.partition_count));
         let (tx, rx) = events::channel(capacity);
         let cancel = CancellationToken::new();
-        let shared = Arc::new(Shared::new(Belief::new(ttl, margin), keyspace, tx, cancel.child_token()));
+        let shared =
+            Arc::new(Shared::new(Belief::new(ttl, margin), pacing, keyspace, tx, cancel.child_token()));
         let worker = Worker {
             client,
             session: SessionId(joined.session_id),
@@ -197,7 +198,7 @@ impl Worker {
             cancel,
             left: std::sync::atomic::AtomicBool::new(false),
         };
-        tokio::spawn(worker.heartbeat_loop(every));
+        tokio::spawn(worker.heartbeat_loop());
         tokio::spawn(worker.watch_loop());
         tokio::spawn(worker.deadline_loop());
         Ok(worker)
@@ -207,8 +208,10 @@ impl Worker {
         self.session
     }
 
+    /// The cluster's lease TTL, as the answer to the session's last renewal gave it (an
+    /// operator may change it at run time).
     pub fn lease_ttl(&self) -> Duration {
-        self.shared.ttl
+        self.shared.ttl()
     }
 
     pub fn keyspace(&self) -> KeySpace {

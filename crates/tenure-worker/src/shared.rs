@@ -34,7 +34,8 @@ pub(crate) struct Shared {
     /// so a full stream gives the session up instead (see `events.rs`).
     pub(super) events: EventSender,
     pub(super) keyspace: KeySpace,
-    pub(super) ttl: Duration,
+    /// How the session paces itself to the cluster's TTL, which may change at run time.
+    pub(super) pacing: Pacing,
     pub(super) kick: Notify,
     /// Raised when a lease was confirmed for the first time: the deadline task looks again.
     pub(super) confirmed: Notify,
@@ -51,15 +52,50 @@ pub(crate) struct Shared {
     pub(super) session_over: CancellationToken,
 }
 
+/// The worker's own timing rules against the cluster's lease TTL: its safety margin and its
+/// heartbeat interval, each as configured or else a fixed share of the TTL (a fifth, a quarter).
+/// The TTL is the cluster's and may change at run time (an operator's `SetLeaseTtl`): every
+/// renewal's answer says which TTL it was granted under, and the session follows it.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Pacing {
+    pub(super) margin: Option<Duration>,
+    pub(super) every: Option<Duration>,
+}
+
+impl Pacing {
+    /// The margin and heartbeat interval under `ttl`; an error when the configured ones leave
+    /// no time for a lease to be renewed before it runs out.
+    pub(super) fn under(&self, ttl: Duration) -> Result<(Duration, Duration), String> {
+        let margin = self.margin.unwrap_or(ttl / 5);
+        let every = self.every.unwrap_or(ttl / 4);
+        if margin >= ttl || every >= ttl - margin {
+            return Err(format!(
+                "heartbeat interval {every:?} and safety margin {margin:?} do not fit the cluster's lease TTL {ttl:?}"
+            ));
+        }
+        Ok((margin, every))
+    }
+
+    /// As [`Pacing::under`], but a configured margin or interval that does not fit a TTL the
+    /// cluster changed to gives way to the default shares: a session must keep its leases.
+    pub(super) fn adapted(&self, ttl: Duration) -> (Duration, Duration) {
+        self.under(ttl).unwrap_or_else(|why| {
+            tracing::warn!("{why}; using a fifth of it as the margin and a quarter as the interval");
+            (ttl / 5, ttl / 4)
+        })
+    }
+}
+
 impl Shared {
     pub(super) fn new(
         belief: Belief,
+        pacing: Pacing,
         keyspace: KeySpace,
         events: EventSender,
         session_over: CancellationToken,
     ) -> Shared {
         Shared {
-            ttl: belief.ttl(),
+            pacing,
             local: Mutex::new(Local { belief, handles: BTreeMap::new() }),
             events,
             keyspace,
@@ -76,6 +112,16 @@ impl Shared {
     /// up.
     pub(super) fn emit(&self, event: WorkerEvent) -> bool {
         self.events.send(event)
+    }
+
+    /// The lease TTL the session's last renewal was granted under.
+    pub(super) fn ttl(&self) -> Duration {
+        self.local.lock().expect("worker lock poisoned").belief.ttl()
+    }
+
+    /// How long to wait between heartbeats under the current TTL.
+    pub(super) fn heartbeat_every(&self) -> Duration {
+        self.pacing.adapted(self.ttl()).1
     }
 
     pub(super) fn watching_at(&self, addr: Option<&str>) {
@@ -149,13 +195,21 @@ impl Shared {
 
     /// Takes in a heartbeat's answer; returns the grants this worker withdrew that the
     /// coordinator still renews (their release has to be sent again).
+    /// `ttl` is the TTL the leader granted this renewal under (`None` from a coordinator that
+    /// does not say): the lease runs by it, and so does the session's pacing from now on.
     pub(super) fn renewed(
         self: &Arc<Self>,
         sent: Instant,
         renewed: &[proto::PartitionLease],
+        ttl: Option<Duration>,
     ) -> Vec<(u32, u64)> {
         let leases = renewed.iter().map(|l| (PartitionId(l.partition), FencingToken(l.token)));
         self.step(|b, now| {
+            if let Some(ttl) = ttl.filter(|t| *t != b.ttl()) {
+                let (margin, _) = self.pacing.adapted(ttl);
+                tracing::info!(?ttl, ?margin, "the cluster's lease TTL changed; following it");
+                b.retime(ttl, margin);
+            }
             let changes = b.renewed(sent, now, leases);
             let unreleased = changes
                 .iter()
@@ -239,7 +293,13 @@ mod tests {
     fn shared_with_capacity(capacity: usize) -> (Arc<Shared>, Events) {
         let (tx, rx) = crate::events::channel(capacity);
         let belief = Belief::new(Duration::from_secs(1), Duration::from_millis(200));
-        let shared = Arc::new(Shared::new(belief, KeySpace::new(4).unwrap(), tx, CancellationToken::new()));
+        let shared = Arc::new(Shared::new(
+            belief,
+            Pacing::default(),
+            KeySpace::new(4).unwrap(),
+            tx,
+            CancellationToken::new(),
+        ));
         (shared, rx)
     }
 
@@ -255,18 +315,18 @@ mod tests {
     fn a_late_answer_does_not_bring_back_a_released_partition() {
         let (s, mut rx) = shared();
         let sent = Instant::now();
-        s.renewed(sent, &lease(1, 5));
+        s.renewed(sent, &lease(1, 5), None);
         assert_eq!(assigned(&mut rx), 1);
         stream(&s, Kind::Released, 1, 5);
         // The answer to a heartbeat sent before the release arrives after it.
-        s.renewed(sent, &lease(1, 5));
+        s.renewed(sent, &lease(1, 5), None);
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), None);
         // Even a later heartbeat cannot: the coordinator may have moved it on already.
-        s.renewed(Instant::now(), &lease(1, 5));
+        s.renewed(Instant::now(), &lease(1, 5), None);
         assert_eq!(assigned(&mut rx), 0);
         // A newer grant of the same partition is believed as usual.
-        s.renewed(Instant::now(), &lease(1, 9));
+        s.renewed(Instant::now(), &lease(1, 9), None);
         assert_eq!(assigned(&mut rx), 1);
     }
 
@@ -275,9 +335,9 @@ mod tests {
         // Found by the benchmark at 65,536 partitions: the answer to a release of grant 3 came
         // back after the same partition had been granted to this worker again (grant 18).
         let (s, mut rx) = shared();
-        s.renewed(Instant::now(), &lease(1, 3));
+        s.renewed(Instant::now(), &lease(1, 3), None);
         s.withdraw(Some(&[PartitionId(1)]));
-        s.renewed(Instant::now(), &lease(1, 18));
+        s.renewed(Instant::now(), &lease(1, 18), None);
         assert_eq!(assigned(&mut rx), 2);
         stream(&s, Kind::Released, 1, 3); // the stream's late word on the release
         assert!(s.valid_until(PartitionId(1), FencingToken(18)).is_some());
@@ -298,23 +358,23 @@ mod tests {
         announce(&s, 1, 5);
         // The answer to a heartbeat that left before (or at) the announcement confirms nothing;
         // one that left after it does (a send instant just ahead stands for a later heartbeat).
-        s.renewed(before, &lease(1, 5));
+        s.renewed(before, &lease(1, 5), None);
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), None);
-        s.renewed(Instant::now() + Duration::from_millis(1), &lease(1, 5));
+        s.renewed(Instant::now() + Duration::from_millis(1), &lease(1, 5), None);
         assert_eq!(assigned(&mut rx), 1);
     }
 
     #[test]
     fn a_stream_read_before_a_release_does_not_bring_the_released_grant_back() {
         let (s, mut rx) = shared();
-        s.renewed(Instant::now(), &lease(2, 7));
+        s.renewed(Instant::now(), &lease(2, 7), None);
         assert_eq!(assigned(&mut rx), 1);
         s.withdraw(Some(&[PartitionId(2)]));
         // The ownership stream's snapshot, read before the release, announces grant 7 again,
         // and a later heartbeat's answer (sent before the release was applied) lists it.
         announce(&s, 2, 7);
-        s.renewed(Instant::now() + Duration::from_millis(1), &lease(2, 7));
+        s.renewed(Instant::now() + Duration::from_millis(1), &lease(2, 7), None);
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(2), FencingToken(7)), None);
     }
@@ -322,7 +382,7 @@ mod tests {
     #[test]
     fn withdrawing_cancels_the_handle_and_reports_released_at_once() {
         let (s, mut rx) = shared();
-        s.renewed(Instant::now(), &lease(0, 4));
+        s.renewed(Instant::now(), &lease(0, 4), None);
         let handle = match rx.try_recv() {
             Some(WorkerEvent::Granted(h)) => h,
             other => panic!("{other:?}"),
@@ -335,6 +395,41 @@ mod tests {
     }
 
     #[test]
+    fn an_answer_under_another_ttl_retimes_the_session_and_shortens_no_lease() {
+        let (s, _rx) = shared();
+        let sent = Instant::now();
+        s.renewed(sent, &lease(1, 5), Some(Duration::from_secs(1)));
+        let first = s.valid_until(PartitionId(1), FencingToken(5)).expect("believed");
+        // Lengthened: the next answer's lease runs by it, less a fifth of it, and so does pacing.
+        let later = sent + Duration::from_millis(10);
+        s.renewed(later, &lease(1, 5), Some(Duration::from_secs(3)));
+        assert_eq!(s.ttl(), Duration::from_secs(3));
+        assert_eq!(s.heartbeat_every(), Duration::from_millis(750));
+        let want = later + Duration::from_secs(3) - Duration::from_millis(600);
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(want));
+        // Shortened: a later answer cannot take back the longer lease already given.
+        s.renewed(later + Duration::from_millis(10), &lease(1, 5), Some(Duration::from_millis(200)));
+        assert_eq!(s.ttl(), Duration::from_millis(200));
+        assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(want));
+        assert!(want > first);
+    }
+
+    #[test]
+    fn a_configured_pacing_that_no_longer_fits_the_ttl_gives_way_to_the_default_shares() {
+        let pacing =
+            Pacing { margin: Some(Duration::from_millis(500)), every: Some(Duration::from_millis(400)) };
+        assert_eq!(
+            pacing.under(Duration::from_secs(2)),
+            Ok((Duration::from_millis(500), Duration::from_millis(400)))
+        );
+        assert!(pacing.under(Duration::from_millis(800)).is_err());
+        assert_eq!(
+            pacing.adapted(Duration::from_millis(800)),
+            (Duration::from_millis(160), Duration::from_millis(200))
+        );
+    }
+
+    #[test]
     fn a_lease_runs_from_the_send_of_the_heartbeat_that_confirmed_it_less_the_margin() {
         // The library's own rule, on its own code: a zero margin, or a lease counted from the
         // answer's arrival, would each give another instant here.
@@ -343,7 +438,7 @@ mod tests {
         // 100 ms later than the rule says.
         let sent =
             Instant::now().checked_sub(Duration::from_millis(100)).expect("a monotonic clock past 100 ms");
-        s.renewed(sent, &lease(1, 5));
+        s.renewed(sent, &lease(1, 5), None);
         let (ttl, margin) = {
             let l = s.local.lock().unwrap();
             (l.belief.ttl(), l.belief.margin())
@@ -353,9 +448,9 @@ mod tests {
         assert!(margin > Duration::ZERO);
         // A later heartbeat moves it to its own send, never back.
         let later = sent + Duration::from_millis(1);
-        s.renewed(later, &lease(1, 5));
+        s.renewed(later, &lease(1, 5), None);
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + ttl - margin));
-        s.renewed(sent, &lease(1, 5));
+        s.renewed(sent, &lease(1, 5), None);
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), Some(later + ttl - margin));
     }
 
@@ -365,7 +460,7 @@ mod tests {
         let leases: Vec<proto::PartitionLease> =
             (1..=3).map(|p| proto::PartitionLease { partition: p, token: 10 + u64::from(p) }).collect();
         // Three grants into a stream of two: the third does not fit.
-        s.renewed(Instant::now(), &leases);
+        s.renewed(Instant::now(), &leases, None);
         assert!(s.session_over.is_cancelled(), "the session is given up");
         for p in 1..=3 {
             assert_eq!(
@@ -401,7 +496,7 @@ mod tests {
             ]
         );
         // Nothing more, now or later: the next heartbeat's answer is not believed either.
-        s.renewed(Instant::now(), &leases);
+        s.renewed(Instant::now(), &leases, None);
         assert!(rx.try_recv().is_none());
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(11)), None);
     }
@@ -409,7 +504,7 @@ mod tests {
     #[test]
     fn every_handle_is_cancelled_when_the_session_is_over() {
         let (s, mut rx) = shared();
-        s.renewed(Instant::now(), &lease(3, 9));
+        s.renewed(Instant::now(), &lease(3, 9), None);
         let Some(WorkerEvent::Granted(handle)) = rx.try_recv() else { panic!("granted") };
         s.session_over.cancel();
         assert!(handle.cancellation().is_cancelled());
@@ -421,33 +516,33 @@ mod tests {
         // stopped believing in, which would stay with the session, unused, until it ended.
         let (s, mut rx) = shared();
         let before = Instant::now();
-        s.renewed(before, &lease(1, 5));
+        s.renewed(before, &lease(1, 5), None);
         s.withdraw(Some(&[PartitionId(1)]));
         // An answer to a heartbeat that left before the withdrawal says nothing of the release.
-        assert_eq!(s.renewed(before, &lease(1, 5)), vec![]);
+        assert_eq!(s.renewed(before, &lease(1, 5), None), vec![]);
         let later = Instant::now() + Duration::from_millis(1);
-        assert_eq!(s.renewed(later, &lease(1, 5)), vec![(1, 5)]);
+        assert_eq!(s.renewed(later, &lease(1, 5), None), vec![(1, 5)]);
         // Still not believed, and only a withdrawn grant is asked for again.
         assert_eq!(assigned(&mut rx), 1);
         assert_eq!(s.valid_until(PartitionId(1), FencingToken(5)), None);
-        s.renewed(later, &lease(2, 6));
+        s.renewed(later, &lease(2, 6), None);
         s.fenced_out(PartitionId(2), FencingToken(6));
-        assert_eq!(s.renewed(later + Duration::from_millis(1), &lease(2, 6)), vec![]);
+        assert_eq!(s.renewed(later + Duration::from_millis(1), &lease(2, 6), None), vec![]);
     }
 
     #[test]
     fn a_lease_that_ran_out_locally_comes_back_only_through_a_later_heartbeat() {
         let (s, mut rx) = shared();
         let sent = Instant::now();
-        s.renewed(sent, &lease(2, 7));
+        s.renewed(sent, &lease(2, 7), None);
         assert_eq!(assigned(&mut rx), 1);
         let dropped = Instant::now() + Duration::from_secs(2);
         s.check_deadlines(dropped);
         assert_eq!(s.valid_until(PartitionId(2), FencingToken(7)), None);
-        s.renewed(sent, &lease(2, 7)); // an old answer
+        s.renewed(sent, &lease(2, 7), None); // an old answer
         assert_eq!(assigned(&mut rx), 0);
         // A heartbeat sent after the lease was dropped: the coordinator still counts it ours.
-        s.renewed(dropped + Duration::from_millis(1), &lease(2, 7));
+        s.renewed(dropped + Duration::from_millis(1), &lease(2, 7), None);
         assert_eq!(assigned(&mut rx), 1);
     }
 
@@ -455,7 +550,7 @@ mod tests {
     fn an_answer_older_than_the_lease_it_would_give_confirms_nothing() {
         let (s, mut rx) = shared();
         let sent = Instant::now().checked_sub(Duration::from_secs(2)).expect("a monotonic clock past 2 s");
-        s.renewed(sent, &lease(3, 4));
+        s.renewed(sent, &lease(3, 4), None);
         assert_eq!(assigned(&mut rx), 0);
         assert_eq!(s.valid_until(PartitionId(3), FencingToken(4)), None);
     }

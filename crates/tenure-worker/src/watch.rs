@@ -15,10 +15,16 @@ impl Worker {
         let (client, shared) = (self.client.clone(), self.shared.clone());
         let request = proto::WatchRequest { session_id: self.session.0, secret: self.secret.clone() };
         async move {
-            let (patience, most) =
-                (shared.ttl / 2, (shared.ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));
+            let ttl = shared.ttl();
+            let (mut patience, mut most) = (ttl / 2, (ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));
             let mut pauses = retry_pauses(most);
             loop {
+                // Paced to the TTL of the session's last renewal, which an operator may change.
+                let ttl = shared.ttl();
+                if patience != ttl / 2 {
+                    (patience, most) = (ttl / 2, (ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));
+                    pauses = retry_pauses(most);
+                }
                 let opened = client.call_without_waiting(patience / 3, |mut c| {
                     let request = request.clone();
                     async move { c.watch(request).await }

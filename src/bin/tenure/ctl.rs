@@ -91,6 +91,19 @@ enum CtlCommand {
     },
     /// Set a worker's weight (1 to 1,000): its live sessions' now, and its later sessions'.
     Weight { name: String, weight: u32 },
+    /// Set the lease TTL renewals are granted under from now on (100 to 86,400,000 ms). Workers
+    /// follow it from their next renewal; a lease granted before keeps the TTL it was told.
+    LeaseTtl {
+        /// The new TTL, in milliseconds.
+        ms: u64,
+    },
+    /// Set the revoke budget, the most partitions in motion at once (--unlimited for none).
+    RevokeBudget {
+        #[arg(required_unless_present = "unlimited", conflicts_with = "unlimited")]
+        partitions: Option<u32>,
+        #[arg(long)]
+        unlimited: bool,
+    },
     /// Move a partition to a worker and pin it there (--to NAME), or unpin it (--unpin): the
     /// leader moves it gracefully and keeps it with that worker's live session.
     Move {
@@ -263,6 +276,25 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             let text = || format!("{name} has weight {weight} (sessions {:?})\n", set.sessions);
             shown(json, text, || json!({ "worker": name, "weight": weight, "sessions": set.sessions }))
         }
+        CtlCommand::LeaseTtl { ms } => {
+            let request = proto::SetLeaseTtlRequest { lease_ttl_ms: ms };
+            let set = operator(&client, request, |mut c, r| async move { c.set_lease_ttl(r).await }).await?;
+            let text = || {
+                format!(
+                    "lease TTL {ms} ms (was {} ms); workers follow it from their next renewal\n",
+                    set.was_ms
+                )
+            };
+            shown(json, text, || json!({ "lease_ttl_ms": ms, "was_ms": set.was_ms }))
+        }
+        CtlCommand::RevokeBudget { partitions, .. } => {
+            let request = proto::SetRevokeBudgetRequest { max_revoking: partitions };
+            let set =
+                operator(&client, request, |mut c, r| async move { c.set_revoke_budget(r).await }).await?;
+            let word = |b: Option<u32>| b.map_or("unlimited".to_string(), |n| format!("{n} partitions"));
+            let text = || format!("revoke budget {} (was {})\n", word(partitions), word(set.was));
+            shown(json, text, || json!({ "max_revoking": partitions, "was": set.was }))
+        }
         CtlCommand::Move { partition, to, .. } => {
             let request = proto::MoveRequest { partition, to: to.clone().unwrap_or_default() };
             let moved = operator(&client, request, |mut c, r| async move { c.r#move(r).await }).await?;
@@ -345,6 +377,8 @@ fn status_json(s: &StatusResponse) -> Value {
         "linearizable": s.linearizable,
         "partition_count": s.partition_count,
         "lease_ttl_ms": s.lease_ttl_ms,
+        "lease_ttl_ceiling_ms": (s.lease_ttl_ceiling_ms > 0).then_some(s.lease_ttl_ceiling_ms),
+        "max_revoking": s.max_revoking,
         "unowned": s.unowned,
         "revoking": s.revoking,
         "maintenance": s.maintenance,

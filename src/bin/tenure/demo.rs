@@ -182,9 +182,15 @@ pub fn render_status(status: &StatusResponse) -> String {
     );
     let _ = writeln!(
         s,
-        "{} partitions, lease TTL {} ms, last applied index {}{}",
+        "{} partitions, lease TTL {} ms{}{}, last applied index {}{}",
         status.partition_count,
         status.lease_ttl_ms,
+        if status.lease_ttl_ceiling_ms > 0 {
+            format!(" (leases granted before the last change may run {} ms)", status.lease_ttl_ceiling_ms)
+        } else {
+            String::new()
+        },
+        status.max_revoking.map_or(String::new(), |n| format!(", at most {n} partitions in motion")),
         status.last_applied,
         if status.maintenance { "; maintenance mode on (nothing is taken from a live owner)" } else { "" }
     );

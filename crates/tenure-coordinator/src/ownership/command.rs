@@ -48,6 +48,13 @@ pub enum Command {
     /// An operator pins a partition to a worker name (`Some`), or unpins it (`None`): the
     /// leader moves it to a live session of that name, gracefully, and keeps it there.
     Pin { partition: PartitionId, name: Option<String> },
+    /// An operator changes the lease TTL that renewals are granted under from now on.
+    SetLeaseTtl { lease_ttl_ms: u64 },
+    /// The leader saw every lease granted before the TTL change at log index `changed_at` run
+    /// out: a new leader need no longer wait out the older TTL. A later change is left alone.
+    SettleLeaseTtl { changed_at: u64 },
+    /// An operator changes the revoke budget (`None`: no limit).
+    SetRevokeBudget { max_revoking: Option<u32> },
 }
 
 /// Give an unowned partition to a member. The token is the index of the entry.
@@ -100,6 +107,17 @@ pub enum Response {
     Pinned {
         /// The name the partition was pinned to before, if any.
         was: Option<String>,
+    },
+    LeaseTtlSet {
+        /// The TTL before, in milliseconds.
+        was_ms: u64,
+    },
+    LeaseTtlSettled {
+        /// False when that change was settled already, or a later one is pending.
+        settled: bool,
+    },
+    RevokeBudgetSet {
+        was: Option<u32>,
     },
     Rejected(Rejection),
 }
@@ -203,6 +221,21 @@ pub enum Event {
     Pinned {
         partition: PartitionId,
         name: Option<String>,
+    },
+    /// The lease TTL changed at log index `changed_at`; a worker may still believe a lease
+    /// granted under a TTL as long as `ceiling_ms` until the change is settled.
+    LeaseTtlChanged {
+        lease_ttl_ms: u64,
+        ceiling_ms: u64,
+        changed_at: u64,
+    },
+    /// The TTL change at `changed_at` is settled: every lease is under the current TTL.
+    LeaseTtlSettled {
+        changed_at: u64,
+    },
+    /// The revoke budget changed.
+    RevokeBudgetChanged {
+        max_revoking: Option<u32>,
     },
 }
 

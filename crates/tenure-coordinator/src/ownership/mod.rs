@@ -27,6 +27,15 @@
 //!   already revoking go to their named receiver) and the leader places the rest.
 //! - A leaving or superseded session ends in the entry that leaves it owning nothing.
 //!
+//! # Changing the lease TTL
+//! A `SetLeaseTtl` changes the TTL renewals are granted under from its entry on. A worker learns
+//! it from the answer to its next renewal; until then it believes its leases under the TTL it
+//! was told, which may be longer. So the change stays *unsettled* in the configuration
+//! ([`TtlChange`]: the longest TTL still believable), and a leader taking over in that time
+//! starts every lease that much from its start. The leader proposes `SettleLeaseTtl` once it
+//! has led for the ceiling since the change. No lease is ever expired earlier than the TTL its
+//! worker was told.
+//!
 //! # Invariants (asserted where they are made)
 //! - A partition has at most one owner, and that owner is a live session.
 //! - A partition's token only grows: a grant at index `i` requires `i > token`.
@@ -40,6 +49,6 @@ mod state;
 pub use command::{Command, Event, Grant, LostReason, Rejection, Response, Revoke};
 pub use secret::SecretHash;
 pub use state::{
-    check_join, Changes, Config, OwnershipState, PartitionRecord, SessionRecord, Settings, MAX_NAME_BYTES,
-    MAX_WEIGHT,
+    check_join, check_lease_ttl, check_revoke_budget, Changes, Config, OwnershipState, PartitionRecord,
+    SessionRecord, Settings, TtlChange, MAX_LEASE_TTL_MS, MAX_NAME_BYTES, MAX_WEIGHT, MIN_LEASE_TTL_MS,
 };

@@ -11,16 +11,48 @@ use std::collections::{BTreeMap, BTreeSet};
 pub const MAX_NAME_BYTES: usize = 256;
 /// Highest weight a member may have; it bounds the leader's placement ring.
 pub const MAX_WEIGHT: u32 = 1000;
+/// Shortest lease TTL a cluster may have, in milliseconds.
+pub const MIN_LEASE_TTL_MS: u64 = 100;
+/// Longest lease TTL a cluster may have, in milliseconds (a day): far beyond any use, and it
+/// keeps every deadline a leader computes from it representable.
+pub const MAX_LEASE_TTL_MS: u64 = 24 * 60 * 60 * 1000;
 
-/// Fixed at cluster creation by the first `Configure`.
+/// Set by the first `Configure`. The partition count never changes; the lease TTL and the
+/// revoke budget may, through `SetLeaseTtl` and `SetRevokeBudget`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Config {
     pub partition_count: u32,
+    /// The TTL renewals are granted under from now on: what a worker is told with each renewal.
     pub lease_ttl_ms: u64,
     /// The blast-radius budget: most partitions the leader keeps revoking at once (`None`: no
     /// limit). Apply does not enforce it (a decision is checked against the table, not against
     /// policy); the leader's planner does, from this replicated value.
     pub max_revoking: Option<u32>,
+    /// Set by a TTL change until the leader has seen every lease granted under an earlier TTL
+    /// run out (see [`TtlChange`]); `None` when every lease a worker may still believe in was
+    /// granted under `lease_ttl_ms`.
+    pub ttl_change: Option<TtlChange>,
+}
+
+/// A lease TTL change not yet settled. Workers renewed before the change were told an older
+/// TTL, possibly a longer one, and may believe in their leases that long: a leader taking over
+/// while a change is unsettled starts every lease `ceiling_ms` from its start, not
+/// `lease_ttl_ms`. The leader settles the change (`SettleLeaseTtl`) once it has led for
+/// `ceiling_ms` since both its term began and it applied the change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtlChange {
+    /// The longest TTL any worker may still hold a lease under: the current TTL or one before.
+    pub ceiling_ms: u64,
+    /// The log index of the change, so that settling it cannot settle a later one.
+    pub changed_at: u64,
+}
+
+impl Config {
+    /// The longest TTL a worker may still believe one of its leases under: what a new leader
+    /// must wait out before it may expire anything.
+    pub fn ttl_ceiling_ms(&self) -> u64 {
+        self.ttl_change.map_or(self.lease_ttl_ms, |c| c.ceiling_ms.max(self.lease_ttl_ms))
+    }
 }
 
 /// One partition's row. `token` is the token of the current grant, or of the last one when the
@@ -301,6 +333,7 @@ impl OwnershipState {
                     partition_count: *partition_count,
                     lease_ttl_ms: *lease_ttl_ms,
                     max_revoking: *max_revoking,
+                    ttl_change: None,
                 },
                 events,
             ),
@@ -373,6 +406,30 @@ impl OwnershipState {
                 Ok(Response::MaintenanceSet { was })
             }
             Command::SetWeight { name, weight } => self.set_weight(name, *weight, events),
+            Command::SetLeaseTtl { lease_ttl_ms } => self.set_lease_ttl(index, *lease_ttl_ms, events),
+            Command::SettleLeaseTtl { changed_at } => {
+                let mut config = self.require_config()?;
+                let settled = config.ttl_change.is_some_and(|c| c.changed_at == *changed_at);
+                if settled {
+                    config.ttl_change = None;
+                    self.config = Some(config);
+                    self.changes.meta = true;
+                    events.push(Event::LeaseTtlSettled { changed_at: *changed_at });
+                }
+                Ok(Response::LeaseTtlSettled { settled })
+            }
+            Command::SetRevokeBudget { max_revoking } => {
+                let mut config = self.require_config()?;
+                check_revoke_budget(*max_revoking)?;
+                let was = config.max_revoking;
+                if was != *max_revoking {
+                    config.max_revoking = *max_revoking;
+                    self.config = Some(config);
+                    self.changes.meta = true;
+                    events.push(Event::RevokeBudgetChanged { max_revoking: *max_revoking });
+                }
+                Ok(Response::RevokeBudgetSet { was })
+            }
             Command::Pin { partition, name } => {
                 self.check_pin(*partition, name.as_deref())?;
                 let was = match name {
@@ -384,6 +441,29 @@ impl OwnershipState {
                 Ok(Response::Pinned { was })
             }
         }
+    }
+
+    /// An operator changes the lease TTL. Renewals from now on are granted under the new TTL;
+    /// leases granted before keep theirs, so the change stays unsettled (the ceiling is the
+    /// longest TTL a worker may still believe in) until the leader settles it.
+    fn set_lease_ttl(
+        &mut self,
+        index: u64,
+        lease_ttl_ms: u64,
+        events: &mut Vec<Event>,
+    ) -> Result<Response, Rejection> {
+        let mut config = self.require_config()?;
+        check_lease_ttl(lease_ttl_ms)?;
+        let was_ms = config.lease_ttl_ms;
+        if was_ms != lease_ttl_ms {
+            let ceiling_ms = config.ttl_ceiling_ms().max(lease_ttl_ms);
+            config.lease_ttl_ms = lease_ttl_ms;
+            config.ttl_change = Some(TtlChange { ceiling_ms, changed_at: index });
+            self.config = Some(config);
+            self.changes.meta = true;
+            events.push(Event::LeaseTtlChanged { lease_ttl_ms, ceiling_ms, changed_at: index });
+        }
+        Ok(Response::LeaseTtlSet { was_ms })
     }
 
     /// An operator's weight for a worker name: kept for the name, and given to its live
@@ -516,12 +596,8 @@ impl OwnershipState {
             return Err(Rejection::ConfigMismatch { have, want });
         }
         KeySpace::new(want.partition_count).map_err(|e| Rejection::InvalidConfig(e.to_string()))?;
-        if want.lease_ttl_ms == 0 {
-            return Err(Rejection::InvalidConfig("lease TTL must be positive".into()));
-        }
-        if want.max_revoking == Some(0) {
-            return Err(Rejection::InvalidConfig("the revoke budget must be at least 1".into()));
-        }
+        check_lease_ttl(want.lease_ttl_ms)?;
+        check_revoke_budget(want.max_revoking)?;
         self.config = Some(want);
         self.partitions = vec![PartitionRecord::default(); want.partition_count as usize];
         self.owned.clear();
@@ -679,6 +755,24 @@ impl OwnershipState {
         }
         self.changes.partitions.insert(p.0);
     }
+}
+
+/// A lease TTL a cluster may have: from [`MIN_LEASE_TTL_MS`] to [`MAX_LEASE_TTL_MS`].
+pub fn check_lease_ttl(lease_ttl_ms: u64) -> Result<(), Rejection> {
+    if !(MIN_LEASE_TTL_MS..=MAX_LEASE_TTL_MS).contains(&lease_ttl_ms) {
+        return Err(Rejection::InvalidConfig(format!(
+            "a lease TTL of {lease_ttl_ms} ms is outside {MIN_LEASE_TTL_MS} ms to {MAX_LEASE_TTL_MS} ms"
+        )));
+    }
+    Ok(())
+}
+
+/// A revoke budget a cluster may have: none, or at least one partition.
+pub fn check_revoke_budget(max_revoking: Option<u32>) -> Result<(), Rejection> {
+    if max_revoking == Some(0) {
+        return Err(Rejection::InvalidConfig("the revoke budget must be at least 1 partition".into()));
+    }
+    Ok(())
 }
 
 /// What a join must satisfy whatever the table holds: a name of 1 to [`MAX_NAME_BYTES`] bytes

@@ -213,11 +213,7 @@ async fn renew(
         .map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))?;
     let renewed =
         answer.await.map_err(|_| CoordinatorError::Unavailable("node is shutting down".into()))??;
-    let ttl_ms = {
-        let applied = node.state.read().expect("state lock poisoned");
-        applied.state.config().map(|c| c.lease_ttl_ms).unwrap_or(node.config.lease_ttl.as_millis() as u64)
-    };
-    Ok(Renewed { leases: renewed, ttl_ms })
+    Ok(Renewed { leases: renewed.leases, ttl_ms: renewed.ttl.as_millis() as u64 })
 }
 
 /// Sends one item of a stream, unless the node stops first; `false` when the stream is over
@@ -691,6 +687,8 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
             revoking: state.revoking_count() as u32,
             linearizable: req.linearizable,
             maintenance: state.maintenance(),
+            max_revoking: config.and_then(|c| c.max_revoking),
+            lease_ttl_ceiling_ms: config.filter(|c| c.ttl_change.is_some()).map_or(0, |c| c.ttl_ceiling_ms()),
         }
     };
     // The leader's clock: only the node that judges leases can say how long they have left.

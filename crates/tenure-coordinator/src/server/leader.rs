@@ -41,6 +41,10 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(node.config.expiry_check_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut leading_term: Option<u64> = None;
+    // The log index this node had reached when it noticed its leadership: nothing is expired
+    // before it has applied that far, since an entry committed by the previous leader (a lease
+    // TTL change it told workers of) may not have reached this node's table yet.
+    let mut caught_up_at = 0u64;
     // The expiry proposal in flight, if any: due leases are reported again until their expiry
     // is applied, so one at a time is enough and a failed one is retried on a later tick.
     // Dropping it (on a leadership change) abandons the wait, not the entry.
@@ -76,6 +80,7 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                         placing = None;
                         replan = true;
                         leading_term = Some(m.current_term);
+                        caught_up_at = m.last_log_index.unwrap_or(0);
                         become_leader(&node, m.current_term);
                     }
                     (false, Some(_)) => {
@@ -115,6 +120,10 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
             }
             _ = tick.tick() => {
                 if proposing.is_some() || node.draining.is_cancelled() {
+                    continue;
+                }
+                let applied = node.state.read().expect("state lock poisoned").last_applied.map_or(0, |l| l.index);
+                if applied < caught_up_at {
                     continue;
                 }
                 let due = match node.leases.lock().expect("lease lock poisoned").as_mut() {
@@ -163,6 +172,14 @@ fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 
     })
 }
 
+/// What a confirmed renewal gives its session: the grants it renewed (partition, token, not
+/// revoking), and the TTL the leader extended its lease by, which is what the worker must be
+/// told (see [`LeaseTable::renew`]).
+pub(crate) struct RenewedLeases {
+    pub leases: Vec<(u32, u64)>,
+    pub ttl: std::time::Duration,
+}
+
 async fn propose_expiries(node: Arc<Node>, due: Due) {
     if !due.sessions.is_empty() {
         tracing::info!(sessions = ?due.sessions, "session leases expired");
@@ -174,6 +191,12 @@ async fn propose_expiries(node: Arc<Node>, due: Due) {
         tracing::info!(partitions = due.revoking.len(), "revoking leases expired");
         if let Err(e) = node.propose(Command::ExpireRevoking { partitions: due.revoking }).await {
             tracing::warn!(error = %e, "could not propose revoke expiry");
+        }
+    }
+    if let Some(changed_at) = due.settle {
+        tracing::info!(changed_at, "every lease granted before the lease TTL change has run out");
+        if let Err(e) = node.propose(Command::SettleLeaseTtl { changed_at }).await {
+            tracing::warn!(error = %e, "could not settle the lease TTL change");
         }
     }
 }
@@ -216,13 +239,14 @@ pub(crate) fn config_differs(config: &super::NodeConfig, have: crate::ownership:
         partition_count: config.partition_count,
         lease_ttl_ms: config.lease_ttl.as_millis() as u64,
         max_revoking: config.max_revoking,
+        ttl_change: have.ttl_change,
     };
     let budget =
         |b: Option<u32>| b.map_or("no revoke budget".to_string(), |n| format!("a revoke budget of {n}"));
     (have != want).then(|| {
         format!(
-            "this node was started with {} partitions, a {} ms lease TTL and {}, but the cluster was \
-             created with {} partitions, a {} ms lease TTL and {}; the cluster's values are used",
+            "this node was started with {} partitions, a {} ms lease TTL and {}, but the cluster has \
+             {} partitions, a {} ms lease TTL and {}; the cluster's values are used",
             want.partition_count,
             want.lease_ttl_ms,
             budget(want.max_revoking),
@@ -250,7 +274,10 @@ fn observe(node: &Node, applied: &AppliedEvent) {
             | Event::SessionEnded { .. }
             | Event::MaintenanceChanged { .. }
             | Event::WeightChanged { .. }
-            | Event::Pinned { .. } => {}
+            | Event::Pinned { .. }
+            | Event::LeaseTtlChanged { .. }
+            | Event::LeaseTtlSettled { .. }
+            | Event::RevokeBudgetChanged { .. } => {}
         }
     }
     let names =
@@ -263,10 +290,10 @@ fn observe(node: &Node, applied: &AppliedEvent) {
     let config = node.state.read().expect("state lock poisoned").state.config();
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
-        if leadership.table.adopt(config) {
+        if leadership.table.follow(config) {
             tracing::info!(
                 ttl_ms = leadership.table.ttl().as_millis() as u64,
-                "leases follow the cluster's lease TTL"
+                "renewals follow the cluster's lease TTL"
             );
         }
         for latency in leadership.table.observe(Instant::now(), &applied.events) {
@@ -375,7 +402,7 @@ pub(crate) async fn run_renewals(
         // overtook the applied join): it must be judged by the cluster's TTL, even if the
         // duty loop has not yet seen the configuration applied.
         if let Some(leadership) = leases.as_mut() {
-            leadership.table.adopt(applied.state.config());
+            leadership.table.follow(applied.state.config());
         }
         let mut answers = Vec::with_capacity(batch.len());
         let mut wanted: HashMap<crate::ids::SessionId, Vec<(u32, u64)>> = HashMap::new();
@@ -392,10 +419,10 @@ pub(crate) async fn run_renewals(
                         .err()
                         .unwrap_or(CoordinatorError::Unavailable("leadership is changing; retry".into()))),
                     Some(Leadership { table, .. }) => {
-                        if table.renew(r.session, r.received) {
+                        if let Some(ttl) = table.renew(r.session, r.received) {
                             node.renewals_confirmed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             wanted.insert(r.session, Vec::new());
-                            Ok(())
+                            Ok(ttl)
                         } else {
                             Err(CoordinatorError::SessionExpired(r.session))
                         }
@@ -420,7 +447,11 @@ pub(crate) async fn run_renewals(
         let latency = metrics::histogram!("tenure_renewal_seconds", "node" => node_label);
         for (session, received, reply, answer) in answers {
             latency.record(received.elapsed().as_secs_f64());
-            let _ = reply.send(answer.map(|()| wanted.get(&session).cloned().unwrap_or_default()));
+            let _ =
+                reply.send(answer.map(|ttl| RenewedLeases {
+                    leases: wanted.get(&session).cloned().unwrap_or_default(),
+                    ttl,
+                }));
         }
     }
 }

@@ -171,9 +171,8 @@ impl NodeConfig {
             return bad("node id 0 is reserved; number nodes from 1".into());
         }
         crate::keyspace::KeySpace::new(self.partition_count).map_err(|e| NodeError::Config(e.to_string()))?;
-        if self.lease_ttl < Duration::from_millis(100) {
-            return bad(format!("lease TTL {:?} is below the 100 ms minimum", self.lease_ttl));
-        }
+        let ttl_ms = u64::try_from(self.lease_ttl.as_millis()).unwrap_or(u64::MAX);
+        crate::ownership::check_lease_ttl(ttl_ms).map_err(|e| NodeError::Config(e.to_string()))?;
         if self.raft_heartbeat_interval.is_zero() || self.election_timeout <= self.raft_heartbeat_interval * 2
         {
             return bad("the election timeout must exceed twice the raft heartbeat interval".into());
@@ -224,7 +223,7 @@ pub(crate) struct PendingRenewal {
     pub session: crate::ids::SessionId,
     pub secret: crate::ownership::SecretHash,
     pub received: tokio::time::Instant,
-    pub reply: tokio::sync::oneshot::Sender<Result<Vec<(u32, u64)>, CoordinatorError>>,
+    pub reply: tokio::sync::oneshot::Sender<Result<leader::RenewedLeases, CoordinatorError>>,
 }
 
 /// One open stream's place in the node's budget and in its client's.

@@ -210,6 +210,37 @@ impl Operator for OperatorService {
         }
     }
 
+    async fn set_lease_ttl(
+        &self,
+        req: Request<proto::SetLeaseTtlRequest>,
+    ) -> Result<Response<proto::SetLeaseTtlResponse>, Status> {
+        operators_only(&req)?;
+        let lease_ttl_ms = req.into_inner().lease_ttl_ms;
+        self.node.ensure_leader()?;
+        // Refused before the log by the very check apply makes.
+        crate::ownership::check_lease_ttl(lease_ttl_ms).map_err(CoordinatorError::from)?;
+        tracing::info!(lease_ttl_ms, "lease TTL set at an operator's request");
+        match self.node.propose(Command::SetLeaseTtl { lease_ttl_ms }).await? {
+            SmResponse::LeaseTtlSet { was_ms } => Ok(Response::new(proto::SetLeaseTtlResponse { was_ms })),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn set_revoke_budget(
+        &self,
+        req: Request<proto::SetRevokeBudgetRequest>,
+    ) -> Result<Response<proto::SetRevokeBudgetResponse>, Status> {
+        operators_only(&req)?;
+        let max_revoking = req.into_inner().max_revoking;
+        self.node.ensure_leader()?;
+        crate::ownership::check_revoke_budget(max_revoking).map_err(CoordinatorError::from)?;
+        tracing::info!(?max_revoking, "revoke budget set at an operator's request");
+        match self.node.propose(Command::SetRevokeBudget { max_revoking }).await? {
+            SmResponse::RevokeBudgetSet { was } => Ok(Response::new(proto::SetRevokeBudgetResponse { was })),
+            other => Err(unexpected(other)),
+        }
+    }
+
     async fn set_weight(
         &self,
         req: Request<proto::SetWeightRequest>,

@@ -135,6 +135,15 @@ impl Coordinators {
                     .await
                     .map(drop)
             }
+            Operation::LeaseTtl(lease_ttl_ms) => {
+                let request = proto::SetLeaseTtlRequest { lease_ttl_ms: *lease_ttl_ms };
+                client
+                    .call_on(
+                        |channel| async move { OperatorClient::new(channel).set_lease_ttl(request).await },
+                    )
+                    .await
+                    .map(drop)
+            }
             Operation::Weight(name, weight) => {
                 let request = proto::SetWeightRequest { name: name.clone(), weight: *weight };
                 client
@@ -222,4 +231,5 @@ impl Coordinators {
 pub(crate) enum Operation {
     Maintenance(bool),
     Weight(String, u32),
+    LeaseTtl(u64),
 }

@@ -103,10 +103,14 @@ pub enum FaultKind {
     Maintenance,
     /// An operator gives a worker another weight for a while, then weight 1 again.
     SetWeight,
+    /// An operator shortens the lease TTL to a third to a half for a while (half the time the
+    /// leader is killed just after, so a new leader takes over while the change is unsettled),
+    /// then sets it back.
+    SetLeaseTtl,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 19] = [
+    pub const ALL: [FaultKind; 20] = [
         FaultKind::FreezeWorker,
         FaultKind::CrashWorker,
         FaultKind::PartitionWorker,
@@ -126,6 +130,7 @@ impl FaultKind {
         FaultKind::DrainWorker,
         FaultKind::Maintenance,
         FaultKind::SetWeight,
+        FaultKind::SetLeaseTtl,
     ];
 
     pub fn name(self) -> &'static str {
@@ -149,6 +154,7 @@ impl FaultKind {
             FaultKind::DrainWorker => "drain-worker",
             FaultKind::Maintenance => "maintenance",
             FaultKind::SetWeight => "set-weight",
+            FaultKind::SetLeaseTtl => "set-lease-ttl",
         }
     }
 
@@ -945,6 +951,29 @@ async fn inject(
                 Err(e) => format!("refused: {e}"),
             };
             Ok(format!("{} {} ({outcome})", kind.name(), slot.name()))
+        }
+        FaultKind::SetLeaseTtl => {
+            let ms = |d: Duration| d.as_millis() as u64;
+            let short = jitter(rng, ttl / 3, ttl / 2).max(Duration::from_millis(100));
+            cluster.operate(Operation::LeaseTtl(ms(short)), settle).await.map_err(NemesisError::Operator)?;
+            let held = jitter(rng, ttl / 2, ttl * 3 / 2);
+            let kill = rng.random_bool(0.5);
+            let mut what = format!("{} {} ms for {} ms", kind.name(), ms(short), ms(held));
+            if kill {
+                // Workers that renewed just before the change were told the longer TTL: the
+                // new leader must wait that out, not the shorter one.
+                let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
+                cluster.kill(leader).await;
+                tokio::time::sleep(held).await;
+                cluster.restart(leader).await.map_err(|e| NemesisError::Restart(leader, e))?;
+                recorder.follow(cluster, leader);
+                what += &format!(", leader {leader} killed meanwhile");
+            } else {
+                tokio::time::sleep(held).await;
+            }
+            // Back again whatever happens meanwhile: the run's recovery bound assumes the TTL.
+            cluster.operate(Operation::LeaseTtl(ms(ttl)), settle).await.map_err(NemesisError::Operator)?;
+            Ok(what)
         }
         FaultKind::KillLeader | FaultKind::KillFollower | FaultKind::KillAll => {
             let leader = cluster.wait_for_leader(settle).await.ok_or(NemesisError::NoLeader(settle))?;
