@@ -16,7 +16,7 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 
 /// The seed comes from `TENURE_NEMESIS_SEED` when set, so a failing run can be replayed.
 fn seed() -> u64 {
-    std::env::var("TENURE_NEMESIS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261202)
+    std::env::var("TENURE_NEMESIS_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20261203)
 }
 
 fn print_outcome(config: &NemesisConfig, outcome: &nemesis::Outcome) {
