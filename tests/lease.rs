@@ -253,3 +253,40 @@ fn a_change_a_new_leader_applies_after_taking_over_holds_every_lease_to_its_ceil
     assert!(!table.due(t0 + TTL / 2 + TTL - MS).sessions.contains(&a));
     assert!(table.due(t0 + TTL / 2 + TTL).sessions.contains(&a));
 }
+
+#[test]
+fn a_moved_partition_is_in_motion_until_a_renewal_of_its_new_owner_confirms_it() {
+    let t0 = Instant::now();
+    let (state, a, b) = state_with_two_sessions();
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    let p = PartitionId(0);
+    let revoked = Event::Revoking { partition: p, session: a, token: FencingToken(2) };
+    let released = Event::Released { partition: p, session: a, token: FencingToken(2) };
+    let granted = Event::Granted { partition: p, session: b, token: FencingToken(9) };
+    table.observe(t0, &[revoked]);
+    table.observe(t0 + 10 * MS, &[released, granted.clone()]);
+    assert_eq!(table.unconfirmed_moves(), 1, "granted, not yet renewed by b");
+    // A renewal that arrived before the grant was seen confirms nothing; the old owner's
+    // renewals never do.
+    table.renew(b, t0 + 5 * MS);
+    table.renew(a, t0 + 20 * MS);
+    assert_eq!(table.unconfirmed_moves(), 1);
+    table.renew(b, t0 + 20 * MS);
+    assert_eq!(table.unconfirmed_moves(), 0, "b's renewal after the grant confirmed it");
+    // A grant of an unowned partition was never in motion; a move lost before it was
+    // confirmed, or its owner's end, takes it out of the count.
+    let q = PartitionId(1);
+    table.observe(t0 + 30 * MS, &[Event::Granted { partition: q, session: b, token: FencingToken(10) }]);
+    assert_eq!(table.unconfirmed_moves(), 0);
+    table.observe(t0 + 30 * MS, &[Event::Revoking { partition: p, session: b, token: FencingToken(9) }]);
+    table.observe(
+        t0 + 40 * MS,
+        &[
+            Event::Released { partition: p, session: b, token: FencingToken(9) },
+            Event::Granted { partition: p, session: a, token: FencingToken(11) },
+        ],
+    );
+    assert_eq!(table.unconfirmed_moves(), 1);
+    table.observe(t0 + 50 * MS, &[Event::SessionEnded { session: a }]);
+    assert_eq!(table.unconfirmed_moves(), 0);
+}

@@ -156,7 +156,11 @@ fn caught_with_lease_from_reply(slow: f64) -> Vec<Vec<&'static str>> {
             config.lease_from_reply = true;
             config.slow = slow;
             let report = simulate(&config).report;
-            (!report.passed()).then(|| report.failed())
+            // A late recovery alone is what a network this slow does without the bug too (see
+            // above): only a seed that broke a safety invariant exposed it.
+            let failed = report.failed();
+            let liveness = "every partition owned again within the bound after the faults heal";
+            failed.iter().any(|f| *f != liveness).then_some(failed)
         })
         .collect()
 }

@@ -902,3 +902,19 @@ fn the_revoke_budget_changes_at_run_time_and_the_next_decisions_keep_to_it() {
     assert_eq!(waves, 2);
     assert_eq!((s.owned(w1).len(), s.owned(w2).len()), (4, 4));
 }
+
+#[test]
+fn moves_granted_but_unconfirmed_count_toward_the_revoke_budget() {
+    let mut s = Story { state: OwnershipState::default(), index: 0 };
+    s.commit(Command::Configure { partition_count: 8, lease_ttl_ms: 1000, max_revoking: Some(2) });
+    let (w1, _) = s.join("w1");
+    join_alone(&mut s, "w2");
+    let revokes = |c: &[Command]| -> usize {
+        c.iter().map(|c| if let Command::Place { revokes, .. } = c { revokes.len() } else { 0 }).sum()
+    };
+    let rules = Rules::default();
+    assert_eq!(revokes(&planner::plan_all_in_motion(&s.state, &rules, 0)), 2);
+    assert_eq!(revokes(&planner::plan_all_in_motion(&s.state, &rules, 1)), 1, "one move still unconfirmed");
+    assert_eq!(revokes(&planner::plan_all_in_motion(&s.state, &rules, 2)), 0, "the budget is spent");
+    assert_eq!(s.owned(w1).len(), 8);
+}

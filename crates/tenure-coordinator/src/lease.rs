@@ -20,6 +20,9 @@
 //!   now (the longest TTL a worker may still believe in); the table reports the change due for
 //!   settling ([`Due::settle`]) only once it has run for that ceiling since both its term began
 //!   and it saw the change.
+//! - A partition granted at the end of a move (after a revoke) counts as in motion
+//!   ([`LeaseTable::unconfirmed_moves`]) until a renewal of its new owner that arrived after the
+//!   grant was applied confirms it, or the grant ends.
 //! - A TTL change this table sees only after its term began (a new leader applies the entries
 //!   its predecessor committed a little later) moves every pending deadline to at least the
 //!   change's ceiling from the term's start: the predecessor may have told workers the new TTL.
@@ -96,6 +99,10 @@ pub struct LeaseTable {
     started: Option<Instant>,
     sessions: HashMap<SessionId, SessionLease>,
     revoking: HashMap<PartitionId, RevokingLease>,
+    /// Moved partitions not yet confirmed, by new owner: partition and when the grant was seen.
+    unconfirmed: HashMap<SessionId, Vec<(PartitionId, Instant)>>,
+    /// How many partitions `unconfirmed` holds.
+    unconfirmed_count: usize,
 }
 
 impl LeaseTable {
@@ -107,6 +114,8 @@ impl LeaseTable {
             started: None,
             sessions: HashMap::new(),
             revoking: HashMap::new(),
+            unconfirmed: HashMap::new(),
+            unconfirmed_count: 0,
         }
     }
 
@@ -146,6 +155,9 @@ impl LeaseTable {
     pub fn reset(&mut self, now: Instant, state: &OwnershipState) {
         self.sessions.clear();
         self.revoking.clear();
+        // Which grants an earlier leader saw confirmed is not known here: none is counted.
+        self.unconfirmed.clear();
+        self.unconfirmed_count = 0;
         let ceiling = state.config().map_or(self.ttl, |c| Duration::from_millis(c.ttl_ceiling_ms()));
         let deadline = now + ceiling.max(self.ttl);
         self.started = Some(now);
@@ -184,6 +196,26 @@ impl LeaseTable {
     pub fn clear(&mut self) {
         self.sessions.clear();
         self.revoking.clear();
+        self.unconfirmed.clear();
+        self.unconfirmed_count = 0;
+    }
+
+    /// Moved partitions granted to their new owner and not yet confirmed by its heartbeat: in
+    /// motion still, so they count toward the revoke budget.
+    pub fn unconfirmed_moves(&self) -> usize {
+        self.unconfirmed_count
+    }
+
+    /// Forgets the unconfirmed move of `partition` to `session`, if there is one.
+    fn unconfirm(&mut self, partition: PartitionId, session: SessionId) {
+        if let Some(list) = self.unconfirmed.get_mut(&session) {
+            let before = list.len();
+            list.retain(|(p, _)| *p != partition);
+            self.unconfirmed_count -= before - list.len();
+            if list.is_empty() {
+                self.unconfirmed.remove(&session);
+            }
+        }
     }
 
     /// Follows applied events. Idempotent, so events already reflected by `reset` are harmless.
@@ -199,6 +231,9 @@ impl LeaseTable {
                 }
                 Event::SessionEnded { session } => {
                     self.sessions.remove(session);
+                    if let Some(list) = self.unconfirmed.remove(session) {
+                        self.unconfirmed_count -= list.len();
+                    }
                 }
                 Event::Revoking { partition, session, token } => {
                     let deadline = self.sessions.get(session).map(|l| l.deadline).unwrap_or(now + self.ttl);
@@ -210,14 +245,17 @@ impl LeaseTable {
                         phase: RevokePhase::Pending,
                     });
                 }
-                Event::Released { partition, .. } | Event::Lost { partition, .. } => {
+                Event::Released { partition, session, .. } | Event::Lost { partition, session, .. } => {
                     if let Some(lease) = self.revoking.get_mut(partition) {
                         lease.phase = RevokePhase::Gone;
                     }
+                    self.unconfirm(*partition, *session);
                 }
-                Event::Granted { partition, .. } => {
+                Event::Granted { partition, session, .. } => {
                     if let Some(lease) = self.revoking.remove(partition) {
                         moves.push(now.saturating_duration_since(lease.since));
+                        self.unconfirmed.entry(*session).or_default().push((*partition, now));
+                        self.unconfirmed_count += 1;
                     }
                 }
                 Event::LeaseTtlChanged { lease_ttl_ms, ceiling_ms, changed_at } => {
@@ -276,6 +314,16 @@ impl LeaseTable {
             return None;
         }
         lease.deadline = lease.deadline.max(received + ttl);
+        // Its answer renews every grant the session holds: moves granted before this renewal
+        // arrived are confirmed.
+        if let Some(list) = self.unconfirmed.get_mut(&session) {
+            let before = list.len();
+            list.retain(|(_, granted)| *granted >= received);
+            self.unconfirmed_count -= before - list.len();
+            if list.is_empty() {
+                self.unconfirmed.remove(&session);
+            }
+        }
         Some(ttl)
     }
 

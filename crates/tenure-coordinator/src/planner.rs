@@ -11,8 +11,10 @@
 //! - A partition in motion (revoking) is not moved again until it lands: the revoke already
 //!   names its receiver.
 //! - At most the cluster's revoke budget ([`crate::ownership::Config::max_revoking`], replicated
-//!   state) of partitions are revoking at once, counting those already revoking; unowned
-//!   partitions are always granted, since nobody works on them.
+//!   state) of partitions are in motion at once: revoking, or moved and granted to their new
+//!   owner but not yet confirmed by its heartbeat (the leader's lease table counts those,
+//!   [`crate::lease::LeaseTable::unconfirmed_moves`]). Unowned partitions are always granted,
+//!   since nobody works on them.
 //! - One command carries at most [`MAX_MOVES_PER_COMMAND`] moves, which bounds what one apply
 //!   costs; a larger decision is split into several commands over disjoint partitions, proposed
 //!   in order. If one is refused (the table changed under it), the rest are dropped and the
@@ -52,6 +54,12 @@ pub fn plan(state: &OwnershipState, rules: &Rules) -> Option<Command> {
 /// disjoint partitions, to be proposed in order; empty when there is nothing to do. Costs
 /// one pass over the table and a placement run, unless the table is settled.
 pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
+    plan_all_in_motion(state, rules, 0)
+}
+
+/// [`plan_all`] with `unconfirmed` moved partitions still in motion (granted after a revoke,
+/// not yet confirmed by their new owner's heartbeat), which count toward the revoke budget.
+pub fn plan_all_in_motion(state: &OwnershipState, rules: &Rules, unconfirmed: usize) -> Vec<Command> {
     let Some(config) = state.config() else { return Vec::new() };
     let members: Vec<Member> = state
         .sessions()
@@ -71,8 +79,9 @@ pub fn plan_all(state: &OwnershipState, rules: &Rules) -> Vec<Command> {
     let pins: std::collections::BTreeMap<u32, SessionId> =
         pinned(state, &members).map(|(p, s)| (p.0, s)).collect();
     let target = placement::place_pinned(&members, &current, rules.ring_seed, &pins);
+    let in_motion = state.revoking_count().saturating_add(unconfirmed);
     let mut may_revoke =
-        config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(state.revoking_count()));
+        config.max_revoking.map_or(usize::MAX, |max| (max as usize).saturating_sub(in_motion));
     // Maintenance mode takes nothing from a live owner; a leaving (or superseded) one still
     // gives its partitions up, since it asked to.
     let maintenance = state.maintenance();

@@ -600,7 +600,10 @@ impl Sim {
         }
         self.replan = false;
         let rules = tenure_coordinator::planner::Rules { ring_seed: self.epoch % 2 };
-        if let Some(command) = tenure_coordinator::planner::plan(&self.state, &rules) {
+        // Moves granted but not yet confirmed by their new owner count toward the budget.
+        let unconfirmed = self.leases.unconfirmed_moves();
+        let plan = tenure_coordinator::planner::plan_all_in_motion(&self.state, &rules, unconfirmed);
+        if let Some(command) = plan.into_iter().next() {
             self.placing = true;
             self.propose_now(command);
         }
@@ -664,6 +667,7 @@ impl Sim {
                 }
                 let at = self.instant(received);
                 // As the server does: the session must be in the applied state to be renewed.
+                let unconfirmed = self.leases.unconfirmed_moves();
                 let ttl = match self.leases.renew(session, at) {
                     Some(ttl) if self.state.session(session).is_some() => ttl,
                     _ => {
@@ -679,6 +683,11 @@ impl Sim {
                     .map(|(p, r)| (p, r.token))
                     .collect();
                 self.send(w, Ev::HeartbeatReply { w, session, sent_local, renewed, ttl });
+                // As the server's leader: a confirmed move frees budget, so decide again.
+                if self.leases.unconfirmed_moves() < unconfirmed {
+                    self.replan = true;
+                    self.place();
+                }
             }
             Ev::ExpiryCheck => {
                 self.at(EXPIRY_CHECK, Ev::ExpiryCheck);

@@ -112,6 +112,9 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
             _ = async { proposing.as_mut().expect("guarded").await }, if proposing.is_some() => {
                 proposing = None;
             }
+            _ = node.moves_confirmed.notified() => {
+                replan = true;
+            }
             _ = async { placing.as_mut().expect("guarded").await }, if placing.is_some() => {
                 // Whatever came of it (applied, refused as stale, not committed), decide again
                 // on the table as it is now.
@@ -146,7 +149,14 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
 fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 'static> {
     let commands = {
         let applied = node.state.read().expect("state lock poisoned");
-        crate::planner::plan_all(&applied.state, &node.config.placement)
+        // Moves granted but not yet confirmed by their new owner are still in motion.
+        let unconfirmed = node
+            .leases
+            .lock()
+            .expect("lease lock poisoned")
+            .as_ref()
+            .map_or(0, |l| l.table.unconfirmed_moves());
+        crate::planner::plan_all_in_motion(&applied.state, &node.config.placement, unconfirmed)
     };
     if commands.is_empty() {
         return None;
@@ -404,6 +414,7 @@ pub(crate) async fn run_renewals(
         if let Some(leadership) = leases.as_mut() {
             leadership.table.follow(applied.state.config());
         }
+        let unconfirmed_before = leases.as_ref().map_or(0, |l| l.table.unconfirmed_moves());
         let mut answers = Vec::with_capacity(batch.len());
         let mut wanted: HashMap<crate::ids::SessionId, Vec<(u32, u64)>> = HashMap::new();
         for r in batch {
@@ -430,6 +441,11 @@ pub(crate) async fn run_renewals(
                 },
             };
             answers.push((r.session, r.received, r.reply, answer));
+        }
+        // Only a budget makes a confirmation free anything for the next decision.
+        let budgeted = applied.state.config().is_some_and(|c| c.max_revoking.is_some());
+        if budgeted && leases.as_ref().is_some_and(|l| l.table.unconfirmed_moves() < unconfirmed_before) {
+            node.moves_confirmed.notify_one();
         }
         drop(leases);
         // What each renewed session owns, from the owner index: the cost follows what the

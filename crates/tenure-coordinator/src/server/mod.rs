@@ -261,6 +261,9 @@ pub struct Node {
     pub(crate) renewals: mpsc::Sender<PendingRenewal>,
     /// Renewals this node confirmed while leading, ever (the status page shows their rate).
     pub(crate) renewals_confirmed: std::sync::atomic::AtomicU64,
+    /// Raised when renewals confirmed moved partitions, which frees revoke budget: the leader
+    /// decides again.
+    pub(crate) moves_confirmed: tokio::sync::Notify,
     /// Fires when the node stops; every task that holds the node watches it, so the store (and
     /// its file lock) is released on shutdown.
     pub(crate) stopping: CancellationToken,
@@ -576,6 +579,7 @@ where
         leases: Mutex::new(None),
         renewals,
         renewals_confirmed: Default::default(),
+        moves_confirmed: tokio::sync::Notify::new(),
         stopping: cancel.clone(),
         streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
         heartbeat_streams: Arc::new(tokio::sync::Semaphore::new(max_streams)),
