@@ -96,6 +96,25 @@ fn withdrawn(handles: &BTreeMap<PartitionId, PartitionHandle>, when: &str) {
     }
 }
 
+/// A 3-node cluster created with lease TTL `ttl`, with a leader.
+async fn cluster_with_ttl(dir: &std::path::Path, ttl: Duration) -> LocalCluster {
+    init_tracing();
+    let c = LocalCluster::start(3, dir, |n| {
+        fast(n);
+        n.lease_ttl = ttl;
+    })
+    .await
+    .expect("cluster starts");
+    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    c
+}
+
+/// The latest instant any of `handles` may still be believed in, by the worker's own lease
+/// arithmetic.
+fn latest(handles: &BTreeMap<PartitionId, PartitionHandle>) -> Option<Instant> {
+    handles.values().filter_map(PartitionHandle::valid_until).max()
+}
+
 fn gives_away(session: SessionId) -> impl Fn(&Event) -> bool {
     move |e| match e {
         Event::Released { session: s, .. } | Event::Lost { session: s, .. } => *s == session,
@@ -107,16 +126,9 @@ fn gives_away(session: SessionId) -> impl Fn(&Event) -> bool {
 /// 4 s, renewed every second: sessions expired over and over and the table never settled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
-    init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let created = Duration::from_millis(4000);
-    let mut c = LocalCluster::start(3, dir.path(), |n| {
-        fast(n);
-        n.lease_ttl = created;
-    })
-    .await
-    .expect("cluster starts");
-    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let mut c = cluster_with_ttl(dir.path(), created).await;
     eventually("the cluster is configured", || async {
         c.status().await.ok().filter(|s| !s.partitions.is_empty())
     })
@@ -150,9 +162,6 @@ async fn nodes_restarted_with_another_ttl_judge_leases_by_the_clusters() {
     // The latest instant `a` may still believe in a partition, by its own lease arithmetic:
     // read just before the crash, and again after it if the worker's state is still there to
     // ask (it is freed once its tasks have stopped), in case an answer extended it in between.
-    let latest = |handles: &BTreeMap<PartitionId, PartitionHandle>| {
-        handles.values().filter_map(PartitionHandle::valid_until).max()
-    };
     // (A lease that lapsed under load since is believed no more: now bounds it.)
     let before = latest(&handles).unwrap_or_else(Instant::now);
     a.abandon(); // a crash: no more heartbeats
@@ -298,24 +307,14 @@ async fn operator(
 /// its partitions away) about three seconds while it still believes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_shortened_ttl_expires_no_lease_before_the_ttl_its_worker_was_told() {
-    init_tracing();
     let dir = tempfile::tempdir().unwrap();
     let told = Duration::from_millis(4000);
-    let mut c = LocalCluster::start(3, dir.path(), |n| {
-        fast(n);
-        n.lease_ttl = told;
-    })
-    .await
-    .expect("cluster starts");
-    c.wait_for_leader(PATIENCE).await.expect("a leader");
+    let mut c = cluster_with_ttl(dir.path(), told).await;
     let (a, b, _events, handles) = two_workers(&c).await;
     assert_eq!(a.lease_ttl(), told);
     assert!(!handles.is_empty());
     let session = a.session();
     let mut feeds = feeds(&c);
-    let latest = |handles: &BTreeMap<PartitionId, PartitionHandle>| {
-        handles.values().filter_map(PartitionHandle::valid_until).max()
-    };
     let before = latest(&handles).unwrap_or_else(Instant::now);
     a.abandon(); // no more heartbeats: its last renewal was under 4 s
     let believed_until = latest(&handles).map_or(before, |after| after.max(before));

@@ -206,11 +206,12 @@ impl LeaseTable {
         self.unconfirmed_count
     }
 
-    /// Forgets the unconfirmed move of `partition` to `session`, if there is one.
-    fn unconfirm(&mut self, partition: PartitionId, session: SessionId) {
+    /// Keeps only the unconfirmed moves to `session` that `keep` accepts (partition, when the
+    /// grant was seen), and the count true.
+    fn retain_unconfirmed(&mut self, session: SessionId, keep: impl Fn(PartitionId, Instant) -> bool) {
         if let Some(list) = self.unconfirmed.get_mut(&session) {
             let before = list.len();
-            list.retain(|(p, _)| *p != partition);
+            list.retain(|(p, at)| keep(*p, *at));
             self.unconfirmed_count -= before - list.len();
             if list.is_empty() {
                 self.unconfirmed.remove(&session);
@@ -231,9 +232,7 @@ impl LeaseTable {
                 }
                 Event::SessionEnded { session } => {
                     self.sessions.remove(session);
-                    if let Some(list) = self.unconfirmed.remove(session) {
-                        self.unconfirmed_count -= list.len();
-                    }
+                    self.retain_unconfirmed(*session, |_, _| false);
                 }
                 Event::Revoking { partition, session, token } => {
                     let deadline = self.sessions.get(session).map(|l| l.deadline).unwrap_or(now + self.ttl);
@@ -249,7 +248,7 @@ impl LeaseTable {
                     if let Some(lease) = self.revoking.get_mut(partition) {
                         lease.phase = RevokePhase::Gone;
                     }
-                    self.unconfirm(*partition, *session);
+                    self.retain_unconfirmed(*session, |p, _| p != *partition);
                 }
                 Event::Granted { partition, session, .. } => {
                     if let Some(lease) = self.revoking.remove(partition) {
@@ -316,14 +315,7 @@ impl LeaseTable {
         lease.deadline = lease.deadline.max(received + ttl);
         // Its answer renews every grant the session holds: moves granted before this renewal
         // arrived are confirmed.
-        if let Some(list) = self.unconfirmed.get_mut(&session) {
-            let before = list.len();
-            list.retain(|(_, granted)| *granted >= received);
-            self.unconfirmed_count -= before - list.len();
-            if list.is_empty() {
-                self.unconfirmed.remove(&session);
-            }
-        }
+        self.retain_unconfirmed(session, |_, granted| granted >= received);
         Some(ttl)
     }
 
