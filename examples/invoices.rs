@@ -362,7 +362,7 @@ async fn tally(client: &tokio_postgres::Client) -> Result<(u64, u64)> {
 }
 
 /// Starts a biller on a thread and runtime of its own; it runs until `shutdown` fires, then
-/// waits for the billing jobs it handed off.
+/// waits for the billing jobs it handed off and for its plain connection to carry out what it was given.
 fn start_biller(
     name: String,
     config: WorkerConfig,
@@ -397,6 +397,11 @@ fn start_biller(
             for job in jobs {
                 let _ = job.await;
             }
+            // A write handed to the plain connection just before its task was aborted is still
+            // on its way; answers on one connection come in order, so once this one is back,
+            // every earlier statement has reached the database. Without it the runtime could
+            // end first and take that write with it, which is a race, not a protection.
+            biller.ledger.plain.simple_query("SELECT 1").await?;
             Ok(())
         })
     })
