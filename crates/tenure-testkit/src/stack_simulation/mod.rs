@@ -24,6 +24,10 @@
 //! - `lossy-links`: every link between nodes drops what is sent on it for a while, which breaks
 //!   connections mid-stream; they must be noticed and opened again.
 //! - `slow-network`: every message takes up to half an election timeout.
+//! - `set-lease-ttl`: an operator (a host of its own, through the operator API as `tenure ctl`
+//!   calls it) cuts the cluster's lease TTL to a fraction of it, half the time kills the leader
+//!   while the shorter TTL holds, then sets it back. Workers that renewed just before the cut
+//!   were told the longer TTL; no leader may expire them by the shorter one.
 //!
 //! Afterwards the run waits for the table to be fully owned again and checks the history with
 //! the same [checker](crate::history::check) as the nemesis.
@@ -80,10 +84,12 @@ pub enum SimFault {
     ReleaseOwnAccord,
     LeaveWorker,
     DropWorker,
+    /// An operator's change of the lease TTL at run time, set back afterwards.
+    SetLeaseTtl,
 }
 
 impl SimFault {
-    pub const ALL: [SimFault; 15] = [
+    pub const ALL: [SimFault; 16] = [
         SimFault::FreezeWorker,
         SimFault::CrashWorker,
         SimFault::PartitionWorker,
@@ -99,6 +105,7 @@ impl SimFault {
         SimFault::ReleaseOwnAccord,
         SimFault::LeaveWorker,
         SimFault::DropWorker,
+        SimFault::SetLeaseTtl,
     ];
 
     pub fn name(self) -> &'static str {
@@ -118,6 +125,7 @@ impl SimFault {
             SimFault::ReleaseOwnAccord => "release-own-accord",
             SimFault::LeaveWorker => "leave-worker",
             SimFault::DropWorker => "drop-worker",
+            SimFault::SetLeaseTtl => "set-lease-ttl",
         }
     }
 }
@@ -260,6 +268,10 @@ struct Shared {
     rules: Arc<Mutex<BTreeMap<NodeId, u64>>>,
     /// How the driver asks each worker's current incarnation to act of its own accord.
     actions: Arc<Mutex<BTreeMap<usize, tokio::sync::mpsc::Sender<Action>>>>,
+    /// How the driver asks the operator host for a lease TTL (in ms).
+    operator: Arc<Mutex<Option<tokio::sync::mpsc::Sender<u64>>>>,
+    /// What came of each of the operator's requests, in order: the TTL it replaced, or why not.
+    operated: Arc<Mutex<Vec<Result<u64, String>>>>,
     worker_records: Arc<Mutex<Vec<WorkerRecord>>>,
 }
 
@@ -310,6 +322,10 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
             .map_err(|e| SimError::Setup(e.to_string()))?;
         add_worker(&mut sim, config, n, &peers, &store, &pauses[n], &views[n], &shared, tls);
     }
+    let operator_tls = ca
+        .client_tls(&crate::tls::Principal::Operator(OPERATOR.into()))
+        .map_err(|e| SimError::Setup(e.to_string()))?;
+    add_operator(&mut sim, &peers, &shared, operator_tls);
     let mut driver = Driver { sim, config, shared, views, pauses, ids };
 
     // Faults start from a settled table.
@@ -517,6 +533,56 @@ fn add_worker(
     });
 }
 
+/// The name of the operator's host, and of its certificate.
+const OPERATOR: &str = "op";
+
+/// The operator: a host that makes the driver's lease TTL changes through the operator API,
+/// trying again across leader changes for a bounded time, and reports what came of each.
+fn add_operator(
+    sim: &mut turmoil::Sim<'_>,
+    peers: &BTreeMap<NodeId, Member>,
+    shared: &Shared,
+    tls: crate::worker::ClientTls,
+) {
+    let coordinators: Vec<String> = peers.values().map(|m| m.client_addr.clone()).collect();
+    let (requests, operated) = (shared.operator.clone(), shared.operated.clone());
+    sim.host(OPERATOR, move || {
+        let (coordinators, requests, operated, tls) =
+            (coordinators.clone(), requests.clone(), operated.clone(), tls.clone());
+        async move {
+            let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+            let client = crate::worker::Client::new(coordinators)?
+                .dialing_from(Some(ip))
+                .dialing_with(net::dialer())
+                .with_tls(Some(tls));
+            let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+            *requests.lock().expect("operator") = Some(tx);
+            while let Some(lease_ttl_ms) = rx.recv().await {
+                let outcome = set_lease_ttl(&client, lease_ttl_ms).await;
+                operated.lock().expect("operated").push(outcome);
+            }
+            Ok(())
+        }
+    });
+}
+
+/// One `SetLeaseTtl`, tried again (a node down, an election) for up to ten seconds.
+async fn set_lease_ttl(client: &crate::worker::Client, lease_ttl_ms: u64) -> Result<u64, String> {
+    use crate::proto::operator_client::OperatorClient;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let request = crate::proto::SetLeaseTtlRequest { lease_ttl_ms };
+        let made = client
+            .call_on(|channel| async move { OperatorClient::new(channel).set_lease_ttl(request).await })
+            .await;
+        match made {
+            Ok(reply) => return Ok(reply.was_ms),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e.to_string()),
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 /// The freeze of a worker: when one is asked for, hold the worker between its check and its
 /// writes, with its links to the coordinators held for as long.
 fn stall(me: String, nodes: Vec<String>, pause: Arc<Mutex<Option<Duration>>>) -> Stall {
@@ -627,6 +693,22 @@ impl Driver<'_> {
         let until = self.now() + Duration::from_secs(10);
         self.step_until(until, |d| d.leader_id().is_some())?;
         Ok(self.leader_id().unwrap_or(self.ids[0]))
+    }
+
+    /// Has the operator set the lease TTL to `to`; says what came of it.
+    fn set_lease_ttl(&mut self, to: Duration) -> Result<String, SimError> {
+        let before = self.shared.operated.lock().expect("operated").len();
+        let sender = self.shared.operator.lock().expect("operator").clone();
+        if !sender.is_some_and(|s| s.try_send(to.as_millis() as u64).is_ok()) {
+            return Ok("not delivered".into());
+        }
+        let until = self.now() + Duration::from_secs(15);
+        self.step_until(until, |d| d.shared.operated.lock().expect("operated").len() > before)?;
+        Ok(match self.shared.operated.lock().expect("operated").get(before) {
+            Some(Ok(was_ms)) => format!("made, was {was_ms} ms"),
+            Some(Err(e)) => format!("refused: {e}"),
+            None => "no answer".into(),
+        })
     }
 
     fn crash_node(&mut self, id: NodeId) {
@@ -770,6 +852,26 @@ impl Driver<'_> {
                 self.advance(ttl)?;
                 // Said as it was, so a seed's fault count cannot rest on an action never taken.
                 Ok(format!("{name} {}{}", workers[n], if delivered { "" } else { " (not delivered)" }))
+            }
+            SimFault::SetLeaseTtl => {
+                let short = jitter(rng, ttl / 5, ttl / 2).max(Duration::from_millis(100));
+                let cut = self.set_lease_ttl(short)?;
+                let held = jitter(rng, ttl / 2, ttl * 3 / 2);
+                let mut what = format!("{name} {} ms ({cut}) for {} ms", short.as_millis(), held.as_millis());
+                if rng.random_bool(0.5) {
+                    // Workers that renewed just before the cut were told the longer TTL: the
+                    // next leader must wait that out, not the shorter one.
+                    let leader = self.await_leader()?;
+                    self.crash_node(leader);
+                    self.advance(held)?;
+                    self.sim.bounce(node_name(leader));
+                    what += &format!(", leader {leader} killed meanwhile");
+                } else {
+                    self.advance(held)?;
+                }
+                // Back again whatever happened meanwhile: the run's recovery bound assumes it.
+                let back = self.set_lease_ttl(ttl)?;
+                Ok(format!("{what}, then {} ms ({back})", ttl.as_millis()))
             }
             SimFault::SlowNetwork => {
                 let delay = jitter(rng, Duration::from_millis(5), election / 2);
