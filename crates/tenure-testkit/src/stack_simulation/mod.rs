@@ -699,7 +699,7 @@ impl Driver<'_> {
     fn set_lease_ttl(&mut self, to: Duration) -> Result<String, SimError> {
         let before = self.shared.operated.lock().expect("operated").len();
         let sender = self.shared.operator.lock().expect("operator").clone();
-        if !sender.is_some_and(|s| s.try_send(to.as_millis() as u64).is_ok()) {
+        if sender.is_none_or(|s| s.try_send(to.as_millis() as u64).is_err()) {
             return Ok("not delivered".into());
         }
         let until = self.now() + Duration::from_secs(15);
