@@ -290,3 +290,81 @@ fn a_moved_partition_is_in_motion_until_a_renewal_of_its_new_owner_confirms_it()
     table.observe(t0 + 50 * MS, &[Event::SessionEnded { session: a }]);
     assert_eq!(table.unconfirmed_moves(), 0);
 }
+
+#[test]
+fn a_new_term_counts_the_moves_its_predecessor_may_not_have_seen_confirmed() {
+    let t0 = Instant::now();
+    let (mut state, a, b) = state_with_two_sessions();
+    // b's join revoked two of a's partitions; a lets one go and it passes to b in that entry.
+    let revoking: Vec<(PartitionId, FencingToken)> =
+        state.owned_by(a).into_iter().filter(|(_, r)| r.revoking).map(|(p, r)| (p, r.token)).collect();
+    assert_eq!(revoking.len(), 2);
+    let (p, token) = revoking[0];
+    let release = Command::Release {
+        session: a,
+        secret: SecretHash::of("a"),
+        partitions: vec![p],
+        tokens: vec![token],
+    };
+    let (response, _) = state.apply(100, &release);
+    assert_eq!(response, Response::Released { partitions: vec![p] });
+    let row = *state.partition(p).unwrap();
+    assert_eq!((row.owner, row.moved), (Some(b), true), "the grant that ended the move is marked");
+
+    // A leader taking over cannot know whether its predecessor saw b confirm it: in motion.
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    assert_eq!(table.unconfirmed_moves(), 1, "the moved grant; the other revoke counts as revoking");
+    table.renew(a, t0 + MS);
+    assert_eq!(table.unconfirmed_moves(), 1, "only the new owner's renewal confirms it");
+    table.renew(b, t0 + MS);
+    assert_eq!(table.unconfirmed_moves(), 0);
+
+    // A partition given back of its owner's own accord and granted again ended no move.
+    let (q, q_token) = state
+        .owned_by(a)
+        .into_iter()
+        .find(|(_, r)| !r.revoking)
+        .map(|(q, r)| (q, r.token))
+        .expect("a keeps one");
+    let release = Command::Release {
+        session: a,
+        secret: SecretHash::of("a"),
+        partitions: vec![q],
+        tokens: vec![q_token],
+    };
+    state.apply(101, &release);
+    assert!(!state.partition(q).unwrap().moved);
+    let mut index = 101;
+    tenure::planner::settle(&mut state, &mut index, &Default::default());
+    assert!(state.partition(q).unwrap().owner.is_some(), "granted again");
+    let table = LeaseTable::for_new_term(t0, &state, TTL);
+    assert_eq!(table.unconfirmed_moves(), 1, "still only the one move, until b renews in this term");
+}
+
+#[test]
+fn a_new_leader_expires_nothing_until_it_has_applied_what_its_log_held() {
+    // This node took over with entries up to 60 in its log, its state applied only to 40: the
+    // previous leader's TTL change at 50, which workers were told of, is among the rest. Were
+    // expiries judged before it is applied, the old 1 s TTL would take leases workers still
+    // believe for 3 s.
+    let t0 = Instant::now();
+    let (state, _, _) = state_with_two_sessions();
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    table.hold_until_applied(60);
+    table.applied(40);
+    assert!(table.due(t0 + TTL * 10).is_empty(), "held while the log is not applied");
+    // The change is applied (and stretches every lease), then the rest of the log.
+    table.observe(t0 + TTL * 2, &[changed(TTL * 3, TTL * 3, 50)]);
+    table.applied(59);
+    assert!(table.due(t0 + TTL * 10).is_empty());
+    table.applied(60);
+    let due = table.due(t0 + TTL * 3 - MS);
+    assert!(due.sessions.is_empty() && due.revoking.is_empty(), "{due:?}");
+    assert_eq!(table.due(t0 + TTL * 3).sessions.len(), 2, "due by the TTL the change set");
+    // A later index releases the hold too; a leader whose state was applied as far as its log
+    // is not held at all.
+    let mut table = LeaseTable::for_new_term(t0, &state, TTL);
+    table.hold_until_applied(60);
+    table.applied(75);
+    assert_eq!(table.due(t0 + TTL).sessions.len(), 2);
+}

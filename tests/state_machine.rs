@@ -365,8 +365,14 @@ fn an_expiry_of_an_older_revoke_leaves_a_newer_revoke_of_the_same_partition_alon
     };
     let sessions = BTreeMap::from([(s1, record("w1")), (SessionId(2), record("w2"))]);
     let partitions = vec![
-        PartitionRecord { owner: Some(s1), token: FencingToken(7), revoking: true, next: None },
-        PartitionRecord { owner: Some(SessionId(2)), token: FencingToken(5), revoking: false, next: None },
+        PartitionRecord { owner: Some(s1), token: FencingToken(7), revoking: true, next: None, moved: false },
+        PartitionRecord {
+            owner: Some(SessionId(2)),
+            token: FencingToken(5),
+            revoking: false,
+            next: None,
+            moved: false,
+        },
     ];
     let config = Config { partition_count: 2, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, sessions, 2);
@@ -396,8 +402,13 @@ fn a_late_release_of_an_older_grant_leaves_the_newer_grant_alone() {
     use tenure::ownership::{PartitionRecord, SessionRecord};
     let s1 = SessionId(1);
     let record = SessionRecord { name: "w1".into(), weight: 1, secret: SecretHash::of("s"), leaving: false };
-    let partitions =
-        vec![PartitionRecord { owner: Some(s1), token: FencingToken(24), revoking: false, next: None }];
+    let partitions = vec![PartitionRecord {
+        owner: Some(s1),
+        token: FencingToken(24),
+        revoking: false,
+        next: None,
+        moved: false,
+    }];
     let config = Config { partition_count: 1, lease_ttl_ms: 1000, max_revoking: None, ttl_change: None };
     let mut state = OwnershipState::from_parts(Some(config), partitions, BTreeMap::from([(s1, record)]), 1);
     let late = Command::Release {

@@ -60,7 +60,13 @@ fn balanced(partitions: u32, workers: usize) -> OwnershipState {
     let target = place(&members, &vec![None; partitions as usize]);
     let rows: Vec<PartitionRecord> = target
         .into_iter()
-        .map(|owner| PartitionRecord { owner, token: FencingToken(1), revoking: false, next: None })
+        .map(|owner| PartitionRecord {
+            owner,
+            token: FencingToken(1),
+            revoking: false,
+            next: None,
+            moved: false,
+        })
         .collect();
     let sessions: BTreeMap<SessionId, SessionRecord> = members
         .iter()

@@ -23,9 +23,10 @@ use serde::Serialize;
 /// snapshots, and the commands that change them; 6, partitions pinned to a worker name in the
 /// operator settings, and the `Pin` command; 7, the lease TTL and the revoke budget changed at run
 /// time (`SetLeaseTtl`, `SettleLeaseTtl`, `SetRevokeBudget`, an unsettled TTL change in the
-/// configuration). An older store is refused by name rather than
+/// configuration); 8, a partition row's mark that its grant ends a move, so a new leader counts
+/// unconfirmed moves toward the revoke budget. An older store is refused by name rather than
 /// read as something it is not.
-pub const FORMAT: u8 = 7;
+pub const FORMAT: u8 = 8;
 
 /// Why bytes could not be read as a value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -22,10 +22,14 @@
 //!   and it saw the change.
 //! - A partition granted at the end of a move (after a revoke) counts as in motion
 //!   ([`LeaseTable::unconfirmed_moves`]) until a renewal of its new owner that arrived after the
-//!   grant was applied confirms it, or the grant ends.
+//!   grant was applied confirms it, or the grant ends. A new term counts every grant the table
+//!   marks as the end of a move until its owner's first renewal in that term, since only the
+//!   leader that saw a confirmation knows of it.
 //! - A TTL change this table sees only after its term began (a new leader applies the entries
 //!   its predecessor committed a little later) moves every pending deadline to at least the
 //!   change's ceiling from the term's start: the predecessor may have told workers the new TTL.
+//! - A new term expires and settles nothing until its node has applied the log as far as it
+//!   reached when the term began ([`LeaseTable::hold_until_applied`]).
 //! - An expiry of a revoking partition names the grant (its token) it was computed for, so it
 //!   cannot take away a later revoke of the same partition from the same session.
 
@@ -97,6 +101,9 @@ pub struct LeaseTable {
     /// When this table last started over ([`LeaseTable::reset`]): every renewal another leader
     /// answered came before it.
     started: Option<Instant>,
+    /// The log index this term must have applied before anything is due (see
+    /// [`LeaseTable::hold_until_applied`]); `None` once it has.
+    held_until: Option<u64>,
     sessions: HashMap<SessionId, SessionLease>,
     revoking: HashMap<PartitionId, RevokingLease>,
     /// Moved partitions not yet confirmed, by new owner: partition and when the grant was seen.
@@ -112,6 +119,7 @@ impl LeaseTable {
             configured: true,
             unsettled: None,
             started: None,
+            held_until: None,
             sessions: HashMap::new(),
             revoking: HashMap::new(),
             unconfirmed: HashMap::new(),
@@ -152,10 +160,10 @@ impl LeaseTable {
     /// Starts over on taking leadership (or after missing applied events): every lease runs
     /// until `now` plus the longest TTL a worker may believe in, the ceiling of an unsettled TTL
     /// change if there is one, and an unsettled change becomes safe to settle a ceiling from now.
+    /// Every grant marked as the end of a move counts as unconfirmed from now.
     pub fn reset(&mut self, now: Instant, state: &OwnershipState) {
         self.sessions.clear();
         self.revoking.clear();
-        // Which grants an earlier leader saw confirmed is not known here: none is counted.
         self.unconfirmed.clear();
         self.unconfirmed_count = 0;
         let ceiling = state.config().map_or(self.ttl, |c| Duration::from_millis(c.ttl_ceiling_ms()));
@@ -169,15 +177,25 @@ impl LeaseTable {
             self.sessions.insert(*session, SessionLease { deadline, expiring: false });
         }
         for (p, record) in state.partitions().iter().enumerate() {
-            if let (Some(session), true) = (record.owner, record.revoking) {
-                let lease = RevokingLease {
-                    session,
-                    token: record.token,
-                    deadline,
-                    since: now,
-                    phase: RevokePhase::Pending,
-                };
-                self.revoking.insert(PartitionId(p as u32), lease);
+            let partition = PartitionId(p as u32);
+            match (record.owner, record.revoking) {
+                (Some(session), true) => {
+                    let lease = RevokingLease {
+                        session,
+                        token: record.token,
+                        deadline,
+                        since: now,
+                        phase: RevokePhase::Pending,
+                    };
+                    self.revoking.insert(partition, lease);
+                }
+                // Which moves an earlier leader saw confirmed is not known here: every grant
+                // that ended a move stays in motion until its owner renews with this table.
+                (Some(session), false) if record.moved => {
+                    self.unconfirmed.entry(session).or_default().push((partition, now));
+                    self.unconfirmed_count += 1;
+                }
+                _ => {}
             }
         }
     }
@@ -325,10 +343,30 @@ impl LeaseTable {
         self.sessions.get(&session).is_none_or(|l| !l.expiring && l.deadline > now)
     }
 
+    /// Holds every expiry and settlement until the table's node has applied the log as far as
+    /// `index` ([`LeaseTable::applied`]): a new leader passes the last index of its log when it
+    /// took over. An entry its predecessor committed, and told workers of, may reach this node's
+    /// state only after its term began (a TTL change above all: the table learns of a longer TTL
+    /// only by applying it), and nothing may be expired on a table that has not seen it.
+    pub fn hold_until_applied(&mut self, index: u64) {
+        self.held_until = Some(index);
+    }
+
+    /// The node has applied the log up to `index`.
+    pub fn applied(&mut self, index: u64) {
+        if self.held_until.is_some_and(|held| index >= held) {
+            self.held_until = None;
+        }
+    }
+
     /// Reports the leases whose deadline has passed. Each is reported until the expiry is applied
-    /// (so a failed proposal is retried), and is never renewed again.
+    /// (so a failed proposal is retried), and is never renewed again. Nothing is due while the
+    /// table is held ([`LeaseTable::hold_until_applied`]).
     pub fn due(&mut self, now: Instant) -> Due {
         let mut due = Due::default();
+        if self.held_until.is_some() {
+            return due;
+        }
         for (session, lease) in self.sessions.iter_mut() {
             if lease.expiring || lease.deadline <= now {
                 lease.expiring = true;

@@ -28,7 +28,7 @@ use crate::fence::FenceTable;
 use crate::history::{self, Fault, History, Resumed, StoreRecord, WorkerOp, WorkerRecord};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::lease::LeaseTable;
-use crate::ownership::{Command, Event, OwnershipState, Response};
+use crate::ownership::{Command, Event, OwnershipState, PartitionRecord, Response};
 use crate::worker::{Belief, Change, End};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -70,6 +70,10 @@ pub struct SimConfig {
     /// A deliberate bug for the checker to catch: a new leader ignores an unsettled lease TTL
     /// change and starts every lease by the current TTL, shorter than the one workers were told.
     pub forget_ttl_ceiling: bool,
+    /// A deliberate bug for the checker to catch (leaders before partition rows marked moves):
+    /// a new leader counts no move in motion, so it may revoke past the budget while the moves
+    /// of its predecessor are still unconfirmed.
+    pub forget_moves_in_motion: bool,
     /// The cluster's revoke budget (odd seeds have one of 1 to 3 partitions, so a sweep covers
     /// moves in waves).
     pub max_revoking: Option<u32>,
@@ -91,6 +95,7 @@ impl SimConfig {
             lease_from_reply: false,
             release_before_withdraw: false,
             forget_ttl_ceiling: false,
+            forget_moves_in_motion: false,
             max_revoking: (seed % 2 == 1).then_some(1 + (seed / 2 % 3) as u32),
         }
     }
@@ -280,6 +285,63 @@ struct Sim {
     fences: FenceTable,
     history: History,
     store_seq: u64,
+    budget: BudgetTruth,
+}
+
+/// The revoke budget judged from outside the leader, across leader changes: what is in motion
+/// by the definition the budget is stated in, kept by the model rather than by any one
+/// leader's lease table, which a leader change replaces.
+#[derive(Default)]
+struct BudgetTruth {
+    /// Partitions revoked and since let go, whose next grant ends a move.
+    let_go: BTreeSet<PartitionId>,
+    /// Grants that ended a move and that no renewal of their owner, arriving at a leader after
+    /// the grant was applied, has confirmed yet: owner and when the grant was applied.
+    unconfirmed: BTreeMap<PartitionId, (SessionId, Micros)>,
+    verdict: Option<history::Verdict>,
+}
+
+impl BudgetTruth {
+    fn observe(&mut self, now: Micros, events: &[Event]) {
+        for event in events {
+            match *event {
+                Event::Revoking { partition, .. } => {
+                    // Counted as revoking from now on, not twice.
+                    self.unconfirmed.remove(&partition);
+                    self.let_go.insert(partition);
+                }
+                Event::Released { partition, .. } | Event::Lost { partition, .. } => {
+                    self.unconfirmed.remove(&partition);
+                }
+                Event::Granted { partition, session, .. } if self.let_go.remove(&partition) => {
+                    self.unconfirmed.insert(partition, (session, now));
+                }
+                Event::SessionEnded { session } => self.unconfirmed.retain(|_, (owner, _)| *owner != session),
+                _ => {}
+            }
+        }
+    }
+
+    /// A renewal of `session` that arrived at `received` and that a leader answered.
+    fn renewed(&mut self, session: SessionId, received: Micros) {
+        self.unconfirmed.retain(|_, (owner, granted)| *owner != session || *granted >= received);
+    }
+
+    /// Judges a committed decision before it is applied to `state`: the moves in motion and the
+    /// revokes it adds must fit the budget.
+    fn judge(&mut self, index: u64, state: &OwnershipState, command: &Command) {
+        let verdict = self.verdict.get_or_insert_with(|| history::Verdict::new("revoke budget"));
+        let Command::Place { revokes, .. } = command else { return };
+        let Some(budget) = state.config().and_then(|c| c.max_revoking) else { return };
+        let (revoking, unconfirmed) = (state.revoking_count(), self.unconfirmed.len());
+        if !revokes.is_empty() && revoking + unconfirmed + revokes.len() > budget as usize {
+            verdict.violation(format!(
+                "entry {index} revokes {} with {revoking} revoking and {unconfirmed} moved but \
+                 unconfirmed, over a budget of {budget}",
+                revokes.len()
+            ));
+        }
+    }
 }
 
 /// What a run produced.
@@ -675,6 +737,7 @@ impl Sim {
                         return;
                     }
                 };
+                self.budget.renewed(session, received);
                 let renewed: Vec<(PartitionId, FencingToken)> = self
                     .state
                     .owned_by(session)
@@ -732,6 +795,18 @@ impl Sim {
                     if let Some(change) = view.config().and_then(|c| c.ttl_change) {
                         view.apply(0, &Command::SettleLeaseTtl { changed_at: change.changed_at });
                     }
+                    LeaseTable::for_new_term(now, &view, self.next_leader_ttl)
+                } else if self.config.forget_moves_in_motion {
+                    // The planted bug: a new leader that knows nothing of the moves in flight.
+                    let unmarked =
+                        self.state.partitions().iter().map(|r| PartitionRecord { moved: false, ..*r });
+                    let view = OwnershipState::from_parts(
+                        self.state.config(),
+                        unmarked.collect(),
+                        self.state.sessions().clone(),
+                        self.state.next_session(),
+                    )
+                    .with_settings(self.state.settings().clone());
                     LeaseTable::for_new_term(now, &view, self.next_leader_ttl)
                 } else {
                     LeaseTable::for_new_term(now, &self.state, self.next_leader_ttl)
@@ -894,7 +969,11 @@ impl Sim {
             return; // the leader that proposed it is gone before it committed
         }
         self.index += 1;
+        self.budget.judge(self.index, &self.state, &command);
         let (response, events) = self.state.apply(self.index, &command);
+        if !matches!(response, Response::Rejected(_)) {
+            self.budget.observe(self.now, &events);
+        }
         self.log.push((self.index, command.clone()));
         if matches!(command, Command::Place { .. }) {
             self.placing = false;
@@ -903,11 +982,12 @@ impl Sim {
         if !events.is_empty() {
             self.replan = true;
         }
-        self.place();
         let now = self.instant(self.now);
-        // As the server's leader does after each applied entry.
+        // As the server's leader does after each applied entry: the lease table follows it,
+        // and only then is the next decision made (it reads the moves still unconfirmed).
         self.leases.follow(self.state.config());
         self.leases.observe(now, &events);
+        self.place();
         let decisions = crate::recording::committed(1, self.index, self.now * 1000, &events);
         self.history.coordinator.extend(decisions);
         for event in &events {
@@ -1092,7 +1172,8 @@ impl Sim {
             self.workers.iter().filter_map(|w| w.session.map(|s| (w.name.clone(), s))).collect();
         self.history.recovered_after_ms = recovered_ms;
         self.history.liveness_bound_ms = self.config.liveness_bound_ms();
-        let report = history::check(&self.history);
+        let mut report = history::check(&self.history);
+        report.verdicts.extend(self.budget.verdict.take());
         SimOutcome { history: self.history, report, events }
     }
 }
@@ -1135,6 +1216,7 @@ pub fn simulate(config: &SimConfig) -> SimOutcome {
         fences: FenceTable::default(),
         history: History::new(config.partition_count, config.lease_ttl_ms),
         store_seq: 0,
+        budget: BudgetTruth::default(),
     };
     sim.run()
 }

@@ -58,12 +58,20 @@ impl Config {
 /// One partition's row. `token` is the token of the current grant, or of the last one when the
 /// partition is unowned (0 if it was never granted). `next` is set only while the partition is
 /// revoking: the member the leader chose to receive it once the owner lets go.
+///
+/// `moved` says that the partition was last let go while revoking: its current grant (or, while
+/// unowned, its next one) ends a move. A leader counts such a grant in motion, toward the revoke
+/// budget, until the new owner's heartbeat confirms it; whether it was confirmed is known only
+/// to the leader that saw the heartbeat, so a new leader counts every moved grant until its
+/// owner renews with it (see [`crate::lease::LeaseTable::reset`]). Without the mark a leader
+/// change would forget the moves still in flight and revoke past the budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PartitionRecord {
     pub owner: Option<SessionId>,
     pub token: FencingToken,
     pub revoking: bool,
     pub next: Option<SessionId>,
+    pub moved: bool,
 }
 
 /// What operators change at run time, replicated like the table.
@@ -380,7 +388,7 @@ impl OwnershipState {
                         continue;
                     };
                     if record.owner == Some(session) && record.token == token && record.revoking {
-                        self.set_partition(p, PartitionRecord { token: record.token, ..Default::default() });
+                        self.set_partition(p, let_go(record));
                         events.push(Event::Lost {
                             partition: p,
                             session,
@@ -556,7 +564,7 @@ impl OwnershipState {
         assert!(token > record.token, "token for {partition} would not grow: {} -> {token}", record.token);
         self.set_partition(
             partition,
-            PartitionRecord { owner: Some(session), token, revoking: false, next: None },
+            PartitionRecord { owner: Some(session), token, revoking: false, next: None, moved: record.moved },
         );
         events.push(Event::Granted { partition, session, token });
     }
@@ -667,7 +675,7 @@ impl OwnershipState {
             if tokens.get(i).is_some_and(|t| *t != record.token) {
                 continue; // granted to this session again since: the newer grant stays
             }
-            self.set_partition(p, PartitionRecord { token: record.token, ..Default::default() });
+            self.set_partition(p, let_go(record));
             events.push(Event::Released { partition: p, session, token: record.token });
             self.hand_over(index, p, record, events);
             released.push(p);
@@ -699,7 +707,7 @@ impl OwnershipState {
         for &p in &mine {
             let partition = PartitionId(p);
             let record = self.partitions[p as usize];
-            self.set_partition(partition, PartitionRecord { token: record.token, ..Default::default() });
+            self.set_partition(partition, let_go(record));
             events.push(Event::Lost { partition, session, token: record.token, reason });
             self.hand_over(index, partition, record, events);
         }
@@ -755,6 +763,12 @@ impl OwnershipState {
         }
         self.changes.partitions.insert(p.0);
     }
+}
+
+/// The row of a partition its owner has just let go (released, or lost): unowned, keeping the
+/// last grant's token, and marked moved when it was let go while revoking.
+fn let_go(record: PartitionRecord) -> PartitionRecord {
+    PartitionRecord { token: record.token, moved: record.revoking, ..Default::default() }
 }
 
 /// A lease TTL a cluster may have: from [`MIN_LEASE_TTL_MS`] to [`MAX_LEASE_TTL_MS`].

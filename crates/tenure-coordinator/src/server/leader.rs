@@ -41,10 +41,6 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     let mut tick = tokio::time::interval(node.config.expiry_check_interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut leading_term: Option<u64> = None;
-    // The log index this node had reached when it noticed its leadership: nothing is expired
-    // before it has applied that far, since an entry committed by the previous leader (a lease
-    // TTL change it told workers of) may not have reached this node's table yet.
-    let mut caught_up_at = 0u64;
     // The expiry proposal in flight, if any: due leases are reported again until their expiry
     // is applied, so one at a time is enough and a failed one is retried on a later tick.
     // Dropping it (on a leadership change) abandons the wait, not the entry.
@@ -80,8 +76,9 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                         placing = None;
                         replan = true;
                         leading_term = Some(m.current_term);
-                        caught_up_at = m.last_log_index.unwrap_or(0);
-                        become_leader(&node, m.current_term);
+                        // Nothing is expired before this node has applied as far as its log
+                        // reached now (see `LeaseTable::hold_until_applied`).
+                        become_leader(&node, m.current_term, m.last_log_index.unwrap_or(0));
                     }
                     (false, Some(_)) => {
                         proposing = None;
@@ -126,11 +123,9 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     continue;
                 }
                 let applied = node.state.read().expect("state lock poisoned").last_applied.map_or(0, |l| l.index);
-                if applied < caught_up_at {
-                    continue;
-                }
                 let due = match node.leases.lock().expect("lease lock poisoned").as_mut() {
                     Some(leadership) if Some(leadership.term) == leading_term => {
+                        leadership.table.applied(applied);
                         leadership.table.due(Instant::now())
                     }
                     _ => continue,
@@ -212,10 +207,12 @@ async fn propose_expiries(node: Arc<Node>, due: Due) {
 }
 
 /// Starts a term of leadership: a fresh lease table, judged by the cluster's TTL.
-fn become_leader(node: &Arc<Node>, term: u64) {
+fn become_leader(node: &Arc<Node>, term: u64, last_log_index: u64) {
     let configured = {
         let applied = node.state.read().expect("state lock poisoned");
-        let table = LeaseTable::for_new_term(Instant::now(), &applied.state, node.config.lease_ttl);
+        let mut table = LeaseTable::for_new_term(Instant::now(), &applied.state, node.config.lease_ttl);
+        table.hold_until_applied(last_log_index);
+        table.applied(applied.last_applied.map_or(0, |l| l.index));
         *node.leases.lock().expect("lease lock poisoned") = Some(Leadership { term, table });
         applied.state.config()
     };

@@ -20,11 +20,12 @@ pub struct Verdict {
 }
 
 impl Verdict {
-    fn new(invariant: &'static str) -> Verdict {
+    /// A verdict with no violations yet, for a run that judges an invariant of its own.
+    pub fn new(invariant: &'static str) -> Verdict {
         Verdict { invariant, violations: Vec::new(), violation_count: 0, skipped: None }
     }
 
-    fn violation(&mut self, what: String) {
+    pub fn violation(&mut self, what: String) {
         self.violation_count += 1;
         if self.violations.len() < KEEP {
             self.violations.push(what);
