@@ -381,6 +381,7 @@ fn status_json(s: &StatusResponse) -> Value {
         "max_revoking": s.max_revoking,
         "unowned": s.unowned,
         "revoking": s.revoking,
+        "unconfirmed_moves": s.unconfirmed_moves,
         "maintenance": s.maintenance,
         "nodes": s.nodes.iter().map(|n| json!({ "id": n.id, "addr": n.addr, "peer_addr": n.peer_addr })).collect::<Vec<_>>(),
         "sessions": s.sessions.iter().map(session_json).collect::<Vec<_>>(),

@@ -167,6 +167,21 @@ fn believes_table(worker: &Worker, status: &StatusResponse) -> bool {
 }
 
 /// The status as a table for operators.
+/// The revoke budget and, from the leader, what is spent of it.
+fn in_motion(status: &StatusResponse) -> String {
+    let spent = status
+        .unconfirmed_moves
+        .map(|u| format!("{} revoking and {u} moved but unconfirmed", status.revoking));
+    match (status.max_revoking, spent) {
+        (Some(n), Some(spent)) => format!(", at most {n} partitions in motion (now {spent})"),
+        (Some(n), None) => format!(", at most {n} partitions in motion"),
+        (None, Some(spent)) if status.revoking > 0 || status.unconfirmed_moves > Some(0) => {
+            format!(", in motion: {spent}")
+        }
+        (None, _) => String::new(),
+    }
+}
+
 pub fn render_status(status: &StatusResponse) -> String {
     let mut s = String::new();
     use std::fmt::Write as _;
@@ -190,7 +205,7 @@ pub fn render_status(status: &StatusResponse) -> String {
         } else {
             String::new()
         },
-        status.max_revoking.map_or(String::new(), |n| format!(", at most {n} partitions in motion")),
+        in_motion(status),
         status.last_applied,
         if status.maintenance { "; maintenance mode on (nothing is taken from a live owner)" } else { "" }
     );

@@ -607,6 +607,11 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
     } as usize;
     let metrics = node.raft.metrics().borrow().clone();
     let leader_id = metrics.current_leader.unwrap_or(0);
+    // Read before the state: the lease table follows the applied entries, so a move it counts is
+    // one the state below has granted already, and none is counted both as revoking and as
+    // unconfirmed by reading the two at different moments.
+    let unconfirmed_moves =
+        node.leases.lock().expect("lease lock poisoned").as_ref().map(|l| l.table.unconfirmed_moves() as u32);
     let mut answer = {
         let applied = node.state.read().expect("state lock poisoned");
         let state = &applied.state;
@@ -689,6 +694,7 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
             maintenance: state.maintenance(),
             max_revoking: config.and_then(|c| c.max_revoking),
             lease_ttl_ceiling_ms: config.filter(|c| c.ttl_change.is_some()).map_or(0, |c| c.ttl_ceiling_ms()),
+            unconfirmed_moves,
         }
     };
     // The leader's clock: only the node that judges leases can say how long they have left.
