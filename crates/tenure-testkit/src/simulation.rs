@@ -1109,8 +1109,9 @@ impl Sim {
     /// believing exactly its rows.
     fn fully_owned(&self) -> bool {
         // A decision in flight, or one the leader has still to make (a join that has not been
-        // placed yet), is a table still moving.
-        if self.placing {
+        // placed yet), is a table still moving; so is a move not yet confirmed, which may hold
+        // the next decision back (the revoke budget).
+        if self.placing || self.leases.unconfirmed_moves() > 0 {
             return false;
         }
         if !self.leader_up
