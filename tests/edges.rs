@@ -10,6 +10,8 @@
 //! - A leave that is not followed by a release (a client other than our library, or one that
 //!   died between the two calls) revoked nothing: the leave entry emitted no event, so the
 //!   leader never decided again.
+//! - A leader change forgot the moves still unconfirmed (only the leader that saw a renewal knows
+//!   of it), so the next leader could revoke past the budget.
 
 mod common;
 
@@ -404,5 +406,83 @@ async fn the_ttl_and_the_revoke_budget_change_at_run_time_and_bad_values_are_ref
     assert_eq!(status.max_revoking, Some(1));
     assert!(status.unconfirmed_moves.is_some(), "the leader answered, with its count");
     assert!(status.partitions.iter().any(|p| p.owner == c2.session().0));
+    c.shutdown().await;
+}
+
+/// A move its new owner has not confirmed stays in motion through a leader change. With a budget
+/// of one, a newcomer that joins by hand and never renews gets one partition, and then nothing
+/// moves: that move is unconfirmed. The leader is stopped; its successor never saw the move
+/// (confirmations live in the leader's memory) but finds it marked in the partition's row, and
+/// counts it too, where a leader that forgot it would revoke the next partition and have two in
+/// motion. The newcomer's first renewal frees the budget and the moves go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_move_left_unconfirmed_holds_the_budget_through_a_leader_change() {
+    let dir = tempfile::tempdir().unwrap();
+    // A long TTL: b never renews on its own, and must keep its session through the test.
+    let mut c = cluster_with_ttl(dir.path(), Duration::from_secs(10)).await;
+    let mut ops = operator(&c).await;
+    let set = ops.set_revoke_budget(tenure::proto::SetRevokeBudgetRequest { max_revoking: Some(1) }).await;
+    set.expect("an operator sets the budget");
+    // a gives back what it is asked for, as an application does.
+    let mut a = worker(&c, "a").await;
+    let mut events = a.events().expect("events taken once");
+    let a = Arc::new(a);
+    let releases = {
+        let a = a.clone();
+        tokio::spawn(async move {
+            while let Some(event) = events.recv().await {
+                if let WorkerEvent::Revoking { partition, .. } = event {
+                    let _ = a.release(&[partition]).await;
+                }
+            }
+        })
+    };
+    settled(&c, 1).await;
+
+    let as_b = tenure::tls::Principal::Worker("b".into());
+    let leader = c.leader().expect("a leader");
+    let mut b =
+        tenure::proto::coordinator_client::CoordinatorClient::new(channel_as(&c, leader, &as_b).await);
+    let joined = b.join(tenure::proto::JoinRequest { name: "b".into(), weight: 1 }).await.expect("b joins");
+    let joined = joined.into_inner();
+    let owned_by_b = |s: &tenure::proto::StatusResponse| {
+        s.partitions.iter().filter(|p| p.owner == joined.session_id && !p.revoking).count()
+    };
+    let before = eventually("one partition moved to b, granted and unconfirmed", || async {
+        c.status()
+            .await
+            .ok()
+            .filter(|s| owned_by_b(s) == 1 && s.revoking == 0 && s.unconfirmed_moves == Some(1))
+    })
+    .await;
+    assert_eq!(before.leader_id, leader);
+
+    c.stop(leader).await;
+    c.wait_for_leader(PATIENCE).await.expect("a new leader");
+    let after = eventually("the new leader answers with its count", || async {
+        c.status()
+            .await
+            .ok()
+            .filter(|s| s.node_id == s.leader_id && s.leader_id != leader && s.unconfirmed_moves.is_some())
+    })
+    .await;
+    assert_eq!(after.unconfirmed_moves, Some(1), "the new leader counts the move it never saw confirmed");
+    assert_eq!((after.revoking, owned_by_b(&after)), (0, 1), "and moves nothing more");
+
+    // b renews, with the new leader: the move is confirmed and the next one is made.
+    let mut b = tenure::proto::coordinator_client::CoordinatorClient::new(
+        channel_as(&c, after.leader_id, &as_b).await,
+    );
+    let beat = tenure::proto::HeartbeatRequest {
+        session_id: joined.session_id,
+        secret: joined.secret.clone(),
+        ..Default::default()
+    };
+    b.heartbeat(beat).await.expect("b renews");
+    eventually("b's renewal frees the budget for the next move", || async {
+        c.status().await.ok().filter(|s| s.revoking == 1 || owned_by_b(s) > 1)
+    })
+    .await;
+    releases.abort();
     c.shutdown().await;
 }
