@@ -163,6 +163,9 @@ struct View {
     stopping: bool,
     unowned: u32,
     revoking: u32,
+    /// Moves granted but not yet confirmed by their new owner, by the leader's count (`None`
+    /// when the answering node does not lead).
+    unconfirmed_moves: Option<u32>,
     /// Renewals this node has confirmed as leader, ever (the page derives a rate).
     renewals_total: u64,
     nodes: Vec<NodeView>,
@@ -244,6 +247,7 @@ fn view(node: &Node, recent: &Mutex<VecDeque<Decision>>, summary: &Summary) -> V
         stopping: status.stopping,
         unowned: status.unowned,
         revoking: status.revoking,
+        unconfirmed_moves: status.unconfirmed_moves,
         renewals_total: node.renewals_confirmed.load(std::sync::atomic::Ordering::Relaxed),
         nodes: status
             .nodes
