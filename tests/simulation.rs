@@ -94,19 +94,25 @@ fn a_store_without_the_fencing_check_is_caught() {
     assert!(caught > 0, "no seed out of 50 exposed the missing check");
 }
 
+/// The seeds in `0..seeds` whose histories break an invariant with a bug planted by `plant`,
+/// each with the invariants it broke.
+fn failing_seeds(seeds: u64, plant: fn(&mut SimConfig)) -> Vec<(u64, Vec<&'static str>)> {
+    (0..seeds)
+        .filter_map(|seed| {
+            let mut config = SimConfig::new(seed);
+            plant(&mut config);
+            let report = simulate(&config).report;
+            (!report.passed()).then(|| (seed, report.failed()))
+        })
+        .collect()
+}
+
 #[test]
 fn a_release_sent_before_belief_is_withdrawn_is_caught() {
     // The library's order before it was fixed: the release leaves while the handle is still
     // valid, and the worker stops believing only when the answer comes back, after the entry
     // may already have granted the partition to the next owner.
-    let failed: Vec<(u64, Vec<&str>)> = (0..50)
-        .filter_map(|seed| {
-            let mut config = SimConfig::new(seed);
-            config.release_before_withdraw = true;
-            let report = simulate(&config).report;
-            (!report.passed()).then(|| (seed, report.failed()))
-        })
-        .collect();
+    let failed = failing_seeds(50, |c| c.release_before_withdraw = true);
     let outlived = failed.iter().filter(|(_, f)| f.contains(&"no belief outlives its grant")).count();
     assert!(outlived >= 10, "only {outlived} of 50 seeds exposed the bug: {failed:?}");
 }
@@ -116,14 +122,7 @@ fn a_new_leader_that_forgets_an_unsettled_ttl_change_is_caught() {
     // The TTL is shortened, a worker last renewed under the longer one is cut off, and the leader
     // crashes. A new leader that judged leases by the shorter TTL alone would expire that worker
     // while it still believes, and give its partitions to another: two believers.
-    let failed: Vec<(u64, Vec<&str>)> = (0..400)
-        .filter_map(|seed| {
-            let mut config = SimConfig::new(seed);
-            config.forget_ttl_ceiling = true;
-            let report = simulate(&config).report;
-            (!report.passed()).then(|| (seed, report.failed()))
-        })
-        .collect();
+    let failed = failing_seeds(400, |c| c.forget_ttl_ceiling = true);
     let outlived = failed.iter().filter(|(_, f)| f.contains(&"no belief outlives its grant")).count();
     // Deterministic: 8 of these 400 seeds show it, 6 of them as two believers at once.
     assert!(outlived >= 5, "only {outlived} of 400 seeds exposed the bug: {failed:?}");
@@ -136,14 +135,7 @@ fn a_new_leader_that_forgets_the_moves_in_flight_is_caught() {
     // Odd seeds have a revoke budget. A leader that crashes while a move it made is granted but
     // not yet confirmed leaves the next leader to count that move; one that knows nothing of it
     // (no mark in the replicated row) revokes past the budget.
-    let failed: Vec<(u64, Vec<&str>)> = (0..400)
-        .filter_map(|seed| {
-            let mut config = SimConfig::new(seed);
-            config.forget_moves_in_motion = true;
-            let report = simulate(&config).report;
-            (!report.passed()).then(|| (seed, report.failed()))
-        })
-        .collect();
+    let failed = failing_seeds(400, |c| c.forget_moves_in_motion = true);
     let over = failed.iter().filter(|(_, f)| f.contains(&"revoke budget")).count();
     // Deterministic: 11 of these 400 seeds show it; with the mark, none (the sweep above).
     assert!(over >= 8, "only {over} of 400 seeds exposed the bug: {failed:?}");
