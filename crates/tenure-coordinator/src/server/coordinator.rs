@@ -607,9 +607,9 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
     } as usize;
     let metrics = node.raft.metrics().borrow().clone();
     let leader_id = metrics.current_leader.unwrap_or(0);
-    // Read before the state: the lease table follows the applied entries, so a move it counts is
-    // one the state below has granted already, and none is counted both as revoking and as
-    // unconfirmed by reading the two at different moments.
+    // Read before the state: the lease table follows the applied entries, so every move it
+    // counts is granted already in the state read below, and a hand-over applied between the two
+    // reads is not counted both as revoking and as unconfirmed.
     let unconfirmed_moves =
         node.leases.lock().expect("lease lock poisoned").as_ref().map(|l| l.table.unconfirmed_moves() as u32);
     let mut answer = {
