@@ -148,6 +148,9 @@ pub struct SimConfig {
     /// Whether the store checks tokens (off only to show that the checker catches it).
     pub fencing: bool,
     pub faults: Vec<SimFault>,
+    /// The cluster's revoke budget: odd seeds have one of 1 or 2 partitions, so moves come in
+    /// waves through every fault, leader changes among them.
+    pub max_revoking: Option<u32>,
 }
 
 impl SimConfig {
@@ -163,6 +166,7 @@ impl SimConfig {
             write_interval: Duration::from_millis(50),
             fencing: true,
             faults: SimFault::ALL.to_vec(),
+            max_revoking: (seed % 2 == 1).then_some(1 + (seed / 2 % 2) as u32),
         }
     }
 
@@ -408,6 +412,7 @@ fn add_node(
     node_config.tls = Some(tls);
     node_config.partition_count = config.partition_count;
     node_config.lease_ttl = config.lease_ttl;
+    node_config.max_revoking = config.max_revoking;
     node_config.election_timeout = config.election_timeout + config.election_timeout / 5 * (id as u32 - 1);
     node_config.fixed_election_timeout = true;
     node_config.raft_heartbeat_interval = config.election_timeout / 6;
