@@ -453,7 +453,12 @@ fn ctl_reads_tables_and_json_from_a_running_cluster() {
     assert!(refused.contains("invalid_config") || refused.contains("outside"), "{refused}");
     let budget = ctl_json(&coordinators, &certs, &["revoke-budget", "4"]).unwrap();
     assert_eq!(budget, serde_json::json!({ "max_revoking": 4, "was": null }));
-    assert!(ctl(&coordinators, &certs, &["status"]).unwrap().contains("at most 4 partitions in motion"));
+    // Read from the leader (linearizable, the default), with what is spent of the budget.
+    let text = ctl(&coordinators, &certs, &["status"]).unwrap();
+    let spent = "at most 4 partitions in motion (now 0 revoking and 0 moved but unconfirmed)";
+    assert!(text.contains(spent), "{text}");
+    let status = ctl_json(&coordinators, &certs, &["status"]).unwrap();
+    assert_eq!((status["max_revoking"].as_u64(), status["unconfirmed_moves"].as_u64()), (Some(4), Some(0)));
     let budget = ctl_json(&coordinators, &certs, &["revoke-budget", "--unlimited"]).unwrap();
     assert_eq!(budget, serde_json::json!({ "max_revoking": null, "was": 4 }));
     let refused = ctl(&coordinators, &certs, &["revoke-budget", "0"]).unwrap_err();

@@ -291,17 +291,24 @@ struct Sim {
 /// The revoke budget judged from outside the leader, across leader changes: what is in motion
 /// by the definition the budget is stated in, kept by the model rather than by any one
 /// leader's lease table, which a leader change replaces.
-#[derive(Default)]
 struct BudgetTruth {
     /// Partitions revoked and since let go, whose next grant ends a move.
     let_go: BTreeSet<PartitionId>,
     /// Grants that ended a move and that no renewal of their owner, arriving at a leader after
     /// the grant was applied, has confirmed yet: owner and when the grant was applied.
     unconfirmed: BTreeMap<PartitionId, (SessionId, Micros)>,
-    verdict: Option<history::Verdict>,
+    verdict: history::Verdict,
 }
 
 impl BudgetTruth {
+    fn new() -> BudgetTruth {
+        BudgetTruth {
+            let_go: BTreeSet::new(),
+            unconfirmed: BTreeMap::new(),
+            verdict: history::Verdict::new("revoke budget"),
+        }
+    }
+
     fn observe(&mut self, now: Micros, events: &[Event]) {
         for event in events {
             match *event {
@@ -330,12 +337,11 @@ impl BudgetTruth {
     /// Judges a committed decision before it is applied to `state`: the moves in motion and the
     /// revokes it adds must fit the budget.
     fn judge(&mut self, index: u64, state: &OwnershipState, command: &Command) {
-        let verdict = self.verdict.get_or_insert_with(|| history::Verdict::new("revoke budget"));
         let Command::Place { revokes, .. } = command else { return };
         let Some(budget) = state.config().and_then(|c| c.max_revoking) else { return };
         let (revoking, unconfirmed) = (state.revoking_count(), self.unconfirmed.len());
         if !revokes.is_empty() && revoking + unconfirmed + revokes.len() > budget as usize {
-            verdict.violation(format!(
+            self.verdict.violation(format!(
                 "entry {index} revokes {} with {revoking} revoking and {unconfirmed} moved but \
                  unconfirmed, over a budget of {budget}",
                 revokes.len()
@@ -971,9 +977,7 @@ impl Sim {
         self.index += 1;
         self.budget.judge(self.index, &self.state, &command);
         let (response, events) = self.state.apply(self.index, &command);
-        if !matches!(response, Response::Rejected(_)) {
-            self.budget.observe(self.now, &events);
-        }
+        self.budget.observe(self.now, &events);
         self.log.push((self.index, command.clone()));
         if matches!(command, Command::Place { .. }) {
             self.placing = false;
@@ -1174,7 +1178,7 @@ impl Sim {
         self.history.recovered_after_ms = recovered_ms;
         self.history.liveness_bound_ms = self.config.liveness_bound_ms();
         let mut report = history::check(&self.history);
-        report.verdicts.extend(self.budget.verdict.take());
+        report.verdicts.push(self.budget.verdict);
         SimOutcome { history: self.history, report, events }
     }
 }
@@ -1217,7 +1221,7 @@ pub fn simulate(config: &SimConfig) -> SimOutcome {
         fences: FenceTable::default(),
         history: History::new(config.partition_count, config.lease_ttl_ms),
         store_seq: 0,
-        budget: BudgetTruth::default(),
+        budget: BudgetTruth::new(),
     };
     sim.run()
 }

@@ -166,7 +166,6 @@ fn believes_table(worker: &Worker, status: &StatusResponse) -> bool {
     have == want
 }
 
-/// The status as a table for operators.
 /// The revoke budget and, from the leader, what is spent of it.
 fn in_motion(status: &StatusResponse) -> String {
     let spent = status
@@ -182,6 +181,7 @@ fn in_motion(status: &StatusResponse) -> String {
     }
 }
 
+/// The status as a table for operators.
 pub fn render_status(status: &StatusResponse) -> String {
     let mut s = String::new();
     use std::fmt::Write as _;
