@@ -249,7 +249,7 @@ async fn a_lagging_node_catches_up_from_a_snapshot() {
     eventually("the lagging node has the leader's table", || async {
         let applied = node.state.read().unwrap();
         let have: std::collections::BTreeMap<u32, (u64, u64)> = applied
-            .state
+            .default_table()
             .partitions()
             .iter()
             .enumerate()

@@ -59,7 +59,7 @@ async fn no_node_keeps_a_session_secret_on_disk() {
         let node = c.node(id).expect("running");
         eventually("every node applied the release", || async {
             let applied = node.node.state.read().unwrap();
-            applied.state.partitions().iter().all(|p| p.owner.is_none()).then_some(())
+            applied.default_table().partitions().iter().all(|p| p.owner.is_none()).then_some(())
         })
         .await;
     }

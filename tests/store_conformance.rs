@@ -53,7 +53,7 @@ fn two_joins(partitions: u32) -> Vec<Entry<TypeConfig>> {
 fn entry(index: u64, command: Command) -> Entry<TypeConfig> {
     Entry {
         log_id: LogId::new(openraft::CommittedLeaderId::new(1, 1), index),
-        payload: EntryPayload::Normal(command),
+        payload: EntryPayload::Normal(tenure::ownership::Proposal::default_namespace(command)),
     }
 }
 
@@ -69,7 +69,12 @@ async fn applied_rows_and_tokens_survive_reopening() {
         assert_eq!(responses[4], Response::Placed { granted: 0, revoking: 4 });
         let shared = sm.shared();
         let applied = shared.read().unwrap();
-        applied.state.partitions().iter().map(|r| (r.owner, r.token, r.revoking)).collect::<Vec<_>>()
+        applied
+            .default_table()
+            .partitions()
+            .iter()
+            .map(|r| (r.owner, r.token, r.revoking))
+            .collect::<Vec<_>>()
     };
     assert!(tokens.iter().all(|(_, t, _)| *t == FencingToken(3)), "granted by the entry after w1's join");
 
@@ -81,10 +86,10 @@ async fn applied_rows_and_tokens_survive_reopening() {
         let shared = sm.shared();
         let applied = shared.read().unwrap();
         let reloaded: Vec<_> =
-            applied.state.partitions().iter().map(|r| (r.owner, r.token, r.revoking)).collect();
+            applied.default_table().partitions().iter().map(|r| (r.owner, r.token, r.revoking)).collect();
         assert_eq!(reloaded, tokens);
-        assert_eq!(applied.state.sessions().len(), 2);
-        assert_eq!(applied.state.next_session(), 2);
+        assert_eq!(applied.default_table().sessions().len(), 2);
+        assert_eq!(applied.default_table().next_session(), 2);
     }
     // A snapshot built now and installed into a fresh store reproduces the table.
     let mut builder = sm.get_snapshot_builder().await;
@@ -94,7 +99,7 @@ async fn applied_rows_and_tokens_survive_reopening() {
     fresh.install_snapshot(&snapshot.meta, snapshot.snapshot).await.unwrap();
     let shared = fresh.shared();
     let applied = shared.read().unwrap();
-    assert_eq!(applied.state.partition(PartitionId(0)).unwrap().token, FencingToken(3));
+    assert_eq!(applied.default_table().partition(PartitionId(0)).unwrap().token, FencingToken(3));
     assert_eq!(applied.last_applied.map(|l| l.index), Some(5));
     drop(applied);
     drop(db);
@@ -116,7 +121,7 @@ async fn snapshots_are_binary_with_a_format_version_and_an_unknown_version_is_re
     let data = snapshot.snapshot.into_inner();
     assert_eq!(data[0], tenure::codec::FORMAT);
     // The table alone as JSON rows, for scale: the binary snapshot is several times smaller.
-    let json_rows = serde_json::to_vec(sm.shared().read().unwrap().state.partitions()).unwrap();
+    let json_rows = serde_json::to_vec(sm.shared().read().unwrap().default_table().partitions()).unwrap();
     assert!(
         data.len() * 3 < json_rows.len(),
         "{} bytes of snapshot, {} of JSON rows",
@@ -142,6 +147,10 @@ async fn snapshots_are_binary_with_a_format_version_and_an_unknown_version_is_re
     let garbage =
         fresh.install_snapshot(&snapshot.meta, Box::new(std::io::Cursor::new(vec![1, 0xff, 0xff]))).await;
     assert!(garbage.is_err());
-    assert_eq!(fresh.shared().read().unwrap().state.partitions().len(), 8, "the table is untouched");
+    assert_eq!(
+        fresh.shared().read().unwrap().default_table().partitions().len(),
+        8,
+        "the table is untouched"
+    );
     assert_eq!(fresh.applied_state().await.unwrap().0.map(|l| l.index), Some(5));
 }

@@ -10,7 +10,10 @@ pub(crate) async fn commit_floor(cluster: &LocalCluster, n: usize) -> Result<Sam
     let mut v = Vec::with_capacity(n);
     for _ in 0..n {
         let t = Instant::now();
-        raft.client_write(Command::Expire { sessions: Vec::new() }).await?;
+        raft.client_write(tenure::ownership::Proposal::default_namespace(Command::Expire {
+            sessions: Vec::new(),
+        }))
+        .await?;
         v.push(t.elapsed());
     }
     Ok(Sample::new(v))

@@ -64,7 +64,7 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
         tokio::time::sleep(Duration::from_millis(50)).await;
         let want: HashMap<u64, BTreeMap<u32, u64>> = {
             let applied = node.state.read().expect("state lock");
-            let state = &applied.state;
+            let state = applied.default_table();
             let owned: Vec<usize> = state.sessions().keys().map(|s| state.owned_count(*s)).collect();
             let balanced = owned.iter().max().zip(owned.iter().min()).is_some_and(|(a, b)| a - b <= 1);
             let done = state.sessions().len() == sessions

@@ -24,9 +24,11 @@ use serde::Serialize;
 /// operator settings, and the `Pin` command; 7, the lease TTL and the revoke budget changed at run
 /// time (`SetLeaseTtl`, `SettleLeaseTtl`, `SetRevokeBudget`, an unsettled TTL change in the
 /// configuration); 8, a partition row's mark that its grant ends a move, so a new leader counts
-/// unconfirmed moves toward the revoke budget. An older store is refused by name rather than
+/// unconfirmed moves toward the revoke budget; 9, namespaces: a log entry names the namespace it
+/// acts on (or deletes one), snapshots carry every namespace's table, and the state machine's
+/// rows are keyed by namespace. An older store is refused by name rather than
 /// read as something it is not.
-pub const FORMAT: u8 = 8;
+pub const FORMAT: u8 = 9;
 
 /// Why bytes could not be read as a value.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

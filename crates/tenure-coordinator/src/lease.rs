@@ -307,7 +307,8 @@ impl LeaseTable {
                 | Event::Configured { .. }
                 | Event::MaintenanceChanged { .. }
                 | Event::WeightChanged { .. }
-                | Event::Pinned { .. } => {}
+                | Event::Pinned { .. }
+                | Event::NamespaceDeleted => {}
             }
         }
         moves

@@ -29,7 +29,8 @@ pub fn decision(event: &Event) -> Option<(PartitionId, SessionId, FencingToken, 
         | Event::Pinned { .. }
         | Event::LeaseTtlChanged { .. }
         | Event::LeaseTtlSettled { .. }
-        | Event::RevokeBudgetChanged { .. } => None,
+        | Event::RevokeBudgetChanged { .. }
+        | Event::NamespaceDeleted => None,
     }
 }
 

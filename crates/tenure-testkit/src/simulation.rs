@@ -1104,7 +1104,8 @@ impl Sim {
             | Event::Pinned { .. }
             | Event::LeaseTtlChanged { .. }
             | Event::LeaseTtlSettled { .. }
-            | Event::RevokeBudgetChanged { .. } => Vec::new(),
+            | Event::RevokeBudgetChanged { .. }
+            | Event::NamespaceDeleted => Vec::new(),
         };
         self.changes(w, changes);
     }

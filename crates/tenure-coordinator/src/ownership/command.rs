@@ -119,6 +119,10 @@ pub enum Response {
     RevokeBudgetSet {
         was: Option<u32>,
     },
+    /// The namespace is gone, with its table of `partitions` partitions.
+    NamespaceDeleted {
+        partitions: u32,
+    },
     Rejected(Rejection),
 }
 
@@ -154,6 +158,18 @@ pub enum Rejection {
     DuplicateMove(PartitionId),
     #[error("no worker named {0:?} has a live session")]
     UnknownWorker(String),
+    #[error("invalid namespace {0}")]
+    InvalidNamespace(String),
+    #[error("no namespace named {0:?}")]
+    UnknownNamespace(String),
+    #[error(
+        "namespace {namespace:?} still has {sessions} sessions: its workers must leave (or expire) first"
+    )]
+    NamespaceInUse { namespace: String, sessions: usize },
+    #[error("the default namespace cannot be deleted")]
+    DefaultNamespace,
+    #[error("the cluster already holds the most namespaces it may ({max})")]
+    TooManyNamespaces { max: usize },
 }
 
 /// Why an owner lost a partition without releasing it.
@@ -237,6 +253,8 @@ pub enum Event {
     RevokeBudgetChanged {
         max_revoking: Option<u32>,
     },
+    /// The namespace was deleted (it had no session left): its table is gone.
+    NamespaceDeleted,
 }
 
 impl Event {

@@ -43,10 +43,15 @@
 //!   made on a table that has changed) changes nothing.
 
 mod command;
+mod namespaces;
 mod secret;
 mod state;
 
 pub use command::{Command, Event, Grant, LostReason, Rejection, Response, Revoke};
+pub use namespaces::{
+    Namespace, NamespaceChanges, Namespaces, Proposal, DEFAULT_NAMESPACE, MAX_NAMESPACES,
+    MAX_NAMESPACE_BYTES, MAX_TOTAL_PARTITIONS,
+};
 pub use secret::SecretHash;
 pub use state::{
     check_join, check_lease_ttl, check_revoke_budget, Changes, Config, OwnershipState, PartitionRecord,

@@ -5,13 +5,13 @@
 
 pub mod network;
 
-use crate::ownership::{Command, Response};
+use crate::ownership::{Proposal, Response};
 use std::io::Cursor;
 
 openraft::declare_raft_types!(
     /// The openraft type configuration of a tenure coordinator.
     pub TypeConfig:
-        D = Command,
+        D = Proposal,
         R = Response,
         Node = Member,
 );

@@ -3,7 +3,9 @@
 
 use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::{FencingToken, PartitionId, SessionId};
-use crate::ownership::{check_join, Command, Event, Rejection, Response as SmResponse, SecretHash};
+use crate::ownership::{
+    check_join, Command, Event, Namespace, Rejection, Response as SmResponse, SecretHash,
+};
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
 use crate::store::Delivery;
 use crate::tls::Caller;
@@ -53,14 +55,14 @@ fn new_secret() -> String {
 impl CoordinatorService {
     fn event_for(&self, kind: Kind, partition: PartitionId, token: u64, index: u64) -> proto::OwnershipEvent {
         let applied = self.node.state.read().expect("state lock poisoned");
-        let range = applied.state.keyspace().and_then(|k| k.range(partition));
+        let range = applied.default_table().keyspace().and_then(|k| k.range(partition));
         proto::OwnershipEvent {
             kind: kind as i32,
             partition: partition.0,
             token,
             hash_start: range.map(|r| r.start).unwrap_or(0),
             hash_end: range.map(|r| r.end).unwrap_or(0),
-            lease_ttl_ms: applied.state.config().map(|c| c.lease_ttl_ms).unwrap_or(0),
+            lease_ttl_ms: applied.default_table().config().map(|c| c.lease_ttl_ms).unwrap_or(0),
             log_index: index,
         }
     }
@@ -197,7 +199,7 @@ async fn renew(
     let secret = SecretHash::of(&req.secret);
     {
         let applied = node.state.read().expect("state lock poisoned");
-        authorize_session(&applied.state, caller, session, &secret)?;
+        authorize_session(applied.default_table(), caller, session, &secret)?;
     }
     // A lease that already ran out is refused here, without spending a quorum round on it.
     if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
@@ -265,7 +267,7 @@ impl Coordinator for CoordinatorService {
         caller.may_act_as(&req.name).map_err(CoordinatorError::NotAllowed)?;
         let (has_session, live_names) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let live = applied.state.sessions().values().filter(|r| !r.leaving);
+            let live = applied.default_table().sessions().values().filter(|r| !r.leaving);
             let (mut has, mut count) = (false, 0);
             for record in live {
                 has |= record.name == req.name;
@@ -283,7 +285,7 @@ impl Coordinator for CoordinatorService {
         match self.node.propose(command).await? {
             SmResponse::Joined { session, .. } => {
                 let applied = self.node.state.read().expect("state lock poisoned");
-                let config = applied.state.config();
+                let config = applied.default_table().config();
                 Ok(Response::new(proto::JoinResponse {
                     session_id: session.0,
                     secret,
@@ -318,7 +320,8 @@ impl Coordinator for CoordinatorService {
         // that long belongs to a session that has expired anyway.
         let idle = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let ttl = applied.state.config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms));
+            let ttl =
+                applied.default_table().config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms));
             ttl.unwrap_or(self.node.config.lease_ttl) * 2
         };
         let caller = Caller::of(&req);
@@ -377,8 +380,8 @@ impl Coordinator for CoordinatorService {
         let count = {
             let applied = self.node.state.read().expect("state lock poisoned");
             let secret = SecretHash::of(&req.secret);
-            authorize_session(&applied.state, &caller, SessionId(req.session_id), &secret)?;
-            applied.state.config().map(|c| c.partition_count).unwrap_or(0)
+            authorize_session(applied.default_table(), &caller, SessionId(req.session_id), &secret)?;
+            applied.default_table().config().map(|c| c.partition_count).unwrap_or(0)
         };
         if let Some(&bad) = req.partitions.iter().find(|&&p| p >= count) {
             return Err(
@@ -417,7 +420,7 @@ impl Coordinator for CoordinatorService {
         {
             let applied = self.node.state.read().expect("state lock poisoned");
             let secret = SecretHash::of(&req.secret);
-            authorize_session(&applied.state, &caller, SessionId(req.session_id), &secret)?;
+            authorize_session(applied.default_table(), &caller, SessionId(req.session_id), &secret)?;
         }
         let leave =
             Command::Leave { session: SessionId(req.session_id), secret: SecretHash::of(&req.secret) };
@@ -435,12 +438,12 @@ impl Coordinator for CoordinatorService {
         let session = SessionId(req.session_id);
         // Subscribe before reading the snapshot, so nothing falls between the two. Only the
         // entries that name this session reach the stream (see `store::SessionFanOut`).
-        let mut events = self.node.sm.subscribe_session(session);
+        let mut events = self.node.sm.subscribe_session(&Namespace::default_namespace(), session);
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            authorize_session(&applied.state, &caller, session, &SecretHash::of(&req.secret))?;
+            authorize_session(applied.default_table(), &caller, session, &SecretHash::of(&req.secret))?;
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
-            (applied.state.owned_by(session), index)
+            (applied.default_table().owned_by(session), index)
         };
         let permit = self.node.stream_permit(false, &caller)?;
         let (tx, rx) = mpsc::channel(1024);
@@ -527,8 +530,8 @@ impl Coordinator for CoordinatorService {
         let mut events = self.node.sm.subscribe();
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let rows: Vec<proto::RouteUpdate> = (0..applied.state.partitions().len() as u32)
-                .map(|p| route_of(&applied.state, PartitionId(p)))
+            let rows: Vec<proto::RouteUpdate> = (0..applied.default_table().partitions().len() as u32)
+                .map(|p| route_of(applied.default_table(), PartitionId(p)))
                 .collect();
             (rows, applied.last_applied.map(|l| l.index).unwrap_or(0))
         };
@@ -563,7 +566,7 @@ impl Coordinator for CoordinatorService {
                         return;
                     }
                 };
-                if applied.index <= from_index {
+                if applied.index <= from_index || !applied.namespace.is_default() {
                     continue;
                 }
                 let rows: Vec<proto::RouteUpdate> = {
@@ -572,7 +575,7 @@ impl Coordinator for CoordinatorService {
                         .events
                         .iter()
                         .filter_map(|e| e.ownership())
-                        .map(|(p, _)| route_of(&state.state, p))
+                        .map(|(p, _)| route_of(state.default_table(), p))
                         .collect()
                 };
                 for row in rows {
@@ -614,7 +617,7 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
         node.leases.lock().expect("lease lock poisoned").as_ref().map(|l| l.table.unconfirmed_moves() as u32);
     let mut answer = {
         let applied = node.state.read().expect("state lock poisoned");
-        let state = &applied.state;
+        let state = applied.default_table();
         let nodes: Vec<proto::Node> = applied
             .membership
             .membership()

@@ -93,6 +93,11 @@ impl CoordinatorError {
                 Rejection::NotEligible(_) => "not_eligible",
                 Rejection::DuplicateMove(_) => "invalid_argument",
                 Rejection::UnknownWorker(_) => "unknown_worker",
+                Rejection::InvalidNamespace(_) => "invalid_namespace",
+                Rejection::UnknownNamespace(_) => "unknown_namespace",
+                Rejection::NamespaceInUse { .. } => "namespace_in_use",
+                Rejection::DefaultNamespace => "default_namespace",
+                Rejection::TooManyNamespaces { .. } => "too_many_namespaces",
             },
         }
     }
@@ -116,7 +121,12 @@ impl From<CoordinatorError> for tonic::Status {
             CoordinatorError::Unauthenticated(_) => Code::Unauthenticated,
             CoordinatorError::NotAllowed(_) => Code::PermissionDenied,
             CoordinatorError::Rejected(r) => match r {
-                Rejection::UnknownSession(_) | Rejection::UnknownWorker(_) => Code::NotFound,
+                Rejection::UnknownSession(_)
+                | Rejection::UnknownWorker(_)
+                | Rejection::UnknownNamespace(_) => Code::NotFound,
+                Rejection::TooManyNamespaces { .. } => Code::ResourceExhausted,
+                Rejection::NamespaceInUse { .. } | Rejection::DefaultNamespace => Code::FailedPrecondition,
+                Rejection::InvalidNamespace(_) => Code::InvalidArgument,
                 Rejection::WrongSecret(_) => Code::PermissionDenied,
                 Rejection::PartitionOutOfRange { .. } => Code::OutOfRange,
                 Rejection::NotOwner { .. }

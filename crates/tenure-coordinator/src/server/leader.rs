@@ -101,7 +101,7 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     replan = true;
                     let state = node.state.read().expect("state lock poisoned");
                     if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_mut() {
-                        leadership.table.reset(Instant::now(), &state.state);
+                        leadership.table.reset(Instant::now(), state.default_table());
                     }
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
@@ -151,7 +151,7 @@ fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 
             .expect("lease lock poisoned")
             .as_ref()
             .map_or(0, |l| l.table.unconfirmed_moves());
-        crate::planner::plan_all_in_motion(&applied.state, &node.config.placement, unconfirmed)
+        crate::planner::plan_all_in_motion(applied.default_table(), &node.config.placement, unconfirmed)
     };
     if commands.is_empty() {
         return None;
@@ -210,11 +210,12 @@ async fn propose_expiries(node: Arc<Node>, due: Due) {
 fn become_leader(node: &Arc<Node>, term: u64, last_log_index: u64) {
     let configured = {
         let applied = node.state.read().expect("state lock poisoned");
-        let mut table = LeaseTable::for_new_term(Instant::now(), &applied.state, node.config.lease_ttl);
+        let mut table =
+            LeaseTable::for_new_term(Instant::now(), applied.default_table(), node.config.lease_ttl);
         table.hold_until_applied(last_log_index);
         table.applied(applied.last_applied.map_or(0, |l| l.index));
         *node.leases.lock().expect("lease lock poisoned") = Some(Leadership { term, table });
-        applied.state.config()
+        applied.default_table().config()
     };
     tracing::info!(node = node.config.id, term, "became the leader; every lease runs one TTL from now");
     match configured {
@@ -284,7 +285,8 @@ fn observe(node: &Node, applied: &AppliedEvent) {
             | Event::Pinned { .. }
             | Event::LeaseTtlChanged { .. }
             | Event::LeaseTtlSettled { .. }
-            | Event::RevokeBudgetChanged { .. } => {}
+            | Event::RevokeBudgetChanged { .. }
+            | Event::NamespaceDeleted => {}
         }
     }
     let names =
@@ -293,8 +295,13 @@ fn observe(node: &Node, applied: &AppliedEvent) {
     for (name, n) in names.into_iter().zip(counts).filter(|(_, n)| *n > 0) {
         metrics::counter!(name, "node" => id.clone()).increment(n);
     }
+    // The lease table keeps the default namespace's leases only: no other namespace is served
+    // yet.
+    if !applied.namespace.is_default() {
+        return;
+    }
     // The state is read before the lease lock is taken, as everywhere else.
-    let config = node.state.read().expect("state lock poisoned").state.config();
+    let config = node.state.read().expect("state lock poisoned").default_table().config();
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
         if leadership.table.follow(config) {
@@ -321,7 +328,7 @@ fn observe(node: &Node, applied: &AppliedEvent) {
 /// storm's CPU).
 fn publish_owned_by(node: &Node, sessions: &BTreeSet<SessionId>) {
     let state = node.state.read().expect("state lock poisoned");
-    let state = &state.state;
+    let state = state.default_table();
     let names: BTreeSet<&str> =
         sessions.iter().filter_map(|s| state.session(*s)).map(|r| r.name.as_str()).collect();
     for name in names {
@@ -338,15 +345,15 @@ fn publish_owned_by(node: &Node, sessions: &BTreeSet<SessionId>) {
 fn publish_owned(node: &Node) {
     let state = node.state.read().expect("state lock poisoned");
     let mut owned: HashMap<&str, usize> = HashMap::new();
-    for (session, record) in state.state.sessions() {
-        *owned.entry(record.name.as_str()).or_default() += state.state.owned_count(*session);
+    for (session, record) in state.default_table().sessions() {
+        *owned.entry(record.name.as_str()).or_default() += state.default_table().owned_count(*session);
     }
     for (name, count) in owned {
         metrics::gauge!("tenure_owned_partitions", "worker" => name.to_string()).set(count as f64);
     }
     // Moves in flight: partitions revoked and not yet released or expired.
     metrics::gauge!("tenure_moves_in_flight", "node" => node.config.id.to_string())
-        .set(state.state.revoking_count() as f64);
+        .set(state.default_table().revoking_count() as f64);
 }
 
 /// Re-publishes the per-worker gauges every `gauge_refresh`, on every node, so that the series
@@ -409,13 +416,13 @@ pub(crate) async fn run_renewals(
         // overtook the applied join): it must be judged by the cluster's TTL, even if the
         // duty loop has not yet seen the configuration applied.
         if let Some(leadership) = leases.as_mut() {
-            leadership.table.follow(applied.state.config());
+            leadership.table.follow(applied.default_table().config());
         }
         let unconfirmed_before = leases.as_ref().map_or(0, |l| l.table.unconfirmed_moves());
         let mut answers = Vec::with_capacity(batch.len());
         let mut wanted: HashMap<crate::ids::SessionId, Vec<(u32, u64)>> = HashMap::new();
         for r in batch {
-            let answer = match applied.state.authenticate_hash(r.session, &r.secret) {
+            let answer = match applied.default_table().authenticate_hash(r.session, &r.secret) {
                 Err(rejection) => Err(CoordinatorError::Rejected(rejection)),
                 Ok(_) => match leases.as_mut() {
                     // No table, or one of an earlier term than the one just confirmed.
@@ -440,7 +447,7 @@ pub(crate) async fn run_renewals(
             answers.push((r.session, r.received, r.reply, answer));
         }
         // Only a budget makes a confirmation free anything for the next decision.
-        let budgeted = applied.state.config().is_some_and(|c| c.max_revoking.is_some());
+        let budgeted = applied.default_table().config().is_some_and(|c| c.max_revoking.is_some());
         if budgeted && leases.as_ref().is_some_and(|l| l.table.unconfirmed_moves() < unconfirmed_before) {
             node.moves_confirmed.notify_one();
         }
@@ -448,7 +455,7 @@ pub(crate) async fn run_renewals(
         // What each renewed session owns, from the owner index: the cost follows what the
         // sessions own, not the size of the table.
         for (session, list) in wanted.iter_mut() {
-            for (p, record) in applied.state.owned_by(*session) {
+            for (p, record) in applied.default_table().owned_by(*session) {
                 if !record.revoking {
                     list.push((p.0, record.token.0));
                 }

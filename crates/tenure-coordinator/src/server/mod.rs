@@ -33,7 +33,7 @@ pub const MAX_CLIENT_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 pub use error::{CoordinatorError, ERROR_METADATA, LEADER_METADATA};
 
 use crate::ids::NodeId;
-use crate::ownership::{Command, Response};
+use crate::ownership::{Command, Proposal, Response};
 use crate::proto::coordinator_server::CoordinatorServer;
 use crate::proto::operator_server::OperatorServer;
 use crate::proto::peer::raft_transport_server::RaftTransportServer;
@@ -402,9 +402,14 @@ impl Node {
         }
     }
 
-    /// Proposes a command and waits until it is committed and applied.
+    /// Proposes a command to the default namespace and waits until it is committed and applied.
     pub async fn propose(&self, command: Command) -> Result<Response, CoordinatorError> {
-        match self.raft.client_write(command).await {
+        self.propose_entry(Proposal::default_namespace(command)).await
+    }
+
+    /// Proposes an entry and waits until it is committed and applied.
+    pub async fn propose_entry(&self, proposal: Proposal) -> Result<Response, CoordinatorError> {
+        match self.raft.client_write(proposal).await {
             Ok(reply) => match reply.data {
                 Response::Rejected(r) => Err(CoordinatorError::Rejected(r)),
                 other => Ok(other),
@@ -542,7 +547,7 @@ where
     let state = sm.shared();
     // The partition count and lease TTL were fixed when the cluster was created; flags that
     // disagree are overridden, and said so at start rather than found out later.
-    let created = state.read().expect("state lock poisoned").state.config();
+    let created = state.read().expect("state lock poisoned").default_table().config();
     if let Some(differs) = created.and_then(|have| leader::config_differs(&config, have)) {
         tracing::warn!(node = config.id, "{differs}");
     }

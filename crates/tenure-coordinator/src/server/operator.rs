@@ -183,7 +183,7 @@ impl Operator for OperatorService {
         // keeps: an operator's drain takes the same path through apply as a leave.
         let live: Vec<(SessionId, SecretHash)> = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let state = &applied.state;
+            let state = applied.default_table();
             state.live_sessions_named(&name).filter_map(|s| Some((s, state.session(s)?.secret))).collect()
         };
         if live.is_empty() {
@@ -253,7 +253,7 @@ impl Operator for OperatorService {
             .state
             .read()
             .expect("state lock poisoned")
-            .state
+            .default_table()
             .check_set_weight(&name, weight)
             .map_err(CoordinatorError::from)?;
         tracing::info!(worker = %name, weight, "weight set at an operator's request");
@@ -278,7 +278,7 @@ impl Operator for OperatorService {
             .state
             .read()
             .expect("state lock poisoned")
-            .state
+            .default_table()
             .check_pin(partition, name.as_deref())
             .map_err(CoordinatorError::from)?;
         tracing::info!(partition = partition.0, to = ?name, "partition pinned at an operator's request");

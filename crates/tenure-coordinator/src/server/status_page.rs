@@ -189,8 +189,13 @@ type Summary = Mutex<Option<(u64, Vec<Range>)>>;
 
 /// Reads the picture from the node: one status read, plus the raft metrics for health.
 fn view(node: &Node, recent: &Mutex<VecDeque<Decision>>, summary: &Summary) -> View {
-    let count =
-        node.state.read().expect("state lock poisoned").state.config().map_or(0, |c| c.partition_count);
+    let count = node
+        .state
+        .read()
+        .expect("state lock poisoned")
+        .default_table()
+        .config()
+        .map_or(0, |c| c.partition_count);
     let exact = count as usize <= EXACT_LIMIT;
     let request = proto::StatusRequest { omit_partitions: !exact, ..Default::default() };
     let status = status_of(node, &request);
@@ -205,7 +210,7 @@ fn view(node: &Node, recent: &Mutex<VecDeque<Decision>>, summary: &Summary) -> V
                 let mut cached = summary.lock().expect("summary poisoned");
                 match cached.as_ref() {
                     Some((cut_at, ranges)) if *cut_at == at => ranges.clone(),
-                    _ => cached.insert((at, aggregate(&applied.state, count))).1.clone(),
+                    _ => cached.insert((at, aggregate(applied.default_table(), count))).1.clone(),
                 }
             }
         };
@@ -365,8 +370,9 @@ async fn events(State(page): State<Page>) -> impl IntoResponse {
                 received = applied.recv() => match received {
                     Err(RecvError::Closed) => return,
                     Err(RecvError::Lagged(_)) => Some(SseEvent::default().event("refresh").data("{}")),
+                    Ok(entry) if !entry.snapshot && !entry.namespace.is_default() => None,
                     Ok(entry) => {
-                        let large = node.state.read().expect("state lock poisoned").state.config()
+                        let large = node.state.read().expect("state lock poisoned").default_table().config()
                             .is_some_and(|c| c.partition_count as usize > EXACT_LIMIT);
                         let sessions_changed = entry.events.iter().any(|e| {
                             matches!(e, Event::SessionStarted { .. } | Event::SessionLeaving { .. } | Event::SessionEnded { .. })
@@ -416,7 +422,7 @@ fn changes(node: &Node, index: u64, events: &[Event]) -> Option<String> {
         touched
             .keys()
             .filter_map(|p| {
-                applied.state.partition(PartitionId(*p)).map(|r| Row {
+                applied.default_table().partition(PartitionId(*p)).map(|r| Row {
                     partition: *p,
                     owner: r.owner.map_or(0, |s| s.0),
                     token: r.token.0,
@@ -438,7 +444,8 @@ async fn remember(node: Arc<Node>, recent: Arc<Mutex<VecDeque<Decision>>>, stop:
             _ = stop.cancelled() => return,
             _ = node.stopping.cancelled() => return,
             received = applied.recv() => match received {
-                Ok(entry) => entry,
+                Ok(entry) if entry.namespace.is_default() => entry,
+                Ok(_) => continue,
                 Err(RecvError::Lagged(_)) => continue,
                 Err(RecvError::Closed) => return,
             },

@@ -8,7 +8,7 @@
 //! with `keep_whole_log`; a purged log is reported, never silently skipped.
 
 use super::db::{cf, decode, CF_LOG, CF_RAFT, CF_SM_META};
-use crate::ownership::{Event, OwnershipState};
+use crate::ownership::{Event, Namespaces};
 use crate::raft::{Entry, LogId};
 use openraft::EntryPayload;
 use std::path::Path;
@@ -60,7 +60,7 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
     };
     let Some(last_applied) = last_applied else { return Ok(Vec::new()) };
 
-    let mut state = OwnershipState::default();
+    let mut state = Namespaces::default();
     let mut replayed = Vec::new();
     // Nothing was purged, so the log starts at index 0 (the first membership entry).
     let mut expected = 0u64;
@@ -89,11 +89,14 @@ pub fn replay_applied(dir: &Path) -> Result<Vec<ReplayedEntry>, ReplayError> {
         return Err(ReplayError::Missing(expected));
     }
     let persisted = super::state_machine::load(&db).map_err(|e| ReplayError::Load(e.to_string()))?;
-    let (a, b) = (&persisted.state, &state);
-    let same = a.config() == b.config()
-        && a.partitions() == b.partitions()
-        && a.sessions() == b.sessions()
-        && a.next_session() == b.next_session();
+    let same = persisted.namespaces.len() == state.len()
+        && persisted.namespaces.iter().zip(state.iter()).all(|((na, a), (nb, b))| {
+            na == nb
+                && a.config() == b.config()
+                && a.partitions() == b.partitions()
+                && a.sessions() == b.sessions()
+                && a.next_session() == b.next_session()
+        });
     if !same {
         return Err(ReplayError::Diverged(last_applied.index));
     }

@@ -16,7 +16,7 @@
 
 use super::AppliedEvent;
 use crate::ids::SessionId;
-use crate::ownership::Event;
+use crate::ownership::{Event, Namespace};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
@@ -42,10 +42,14 @@ fn session_of(event: &Event) -> Option<SessionId> {
     }
 }
 
+/// One session's subscribers, each with its registration number.
+type Subscribers = Vec<(u64, mpsc::Sender<Delivery>)>;
+
 #[derive(Default)]
 struct Registry {
     next_id: u64,
-    subscribers: HashMap<SessionId, Vec<(u64, mpsc::Sender<Delivery>)>>,
+    /// Session numbers are a namespace's own, so a subscriber is found by both.
+    subscribers: HashMap<(Namespace, SessionId), Subscribers>,
 }
 
 /// The subscribers of each session. Cloning shares it.
@@ -57,7 +61,7 @@ pub struct SessionFanOut {
 /// One subscription: entries about its session, in order. Dropping it unsubscribes.
 pub struct SessionEvents {
     receiver: mpsc::Receiver<Delivery>,
-    session: SessionId,
+    key: (Namespace, SessionId),
     id: u64,
     registry: Arc<Mutex<Registry>>,
 }
@@ -73,24 +77,25 @@ impl SessionEvents {
 impl Drop for SessionEvents {
     fn drop(&mut self) {
         let mut registry = self.registry.lock().expect("fan-out lock poisoned");
-        if let Some(list) = registry.subscribers.get_mut(&self.session) {
+        if let Some(list) = registry.subscribers.get_mut(&self.key) {
             list.retain(|(id, _)| *id != self.id);
             if list.is_empty() {
-                registry.subscribers.remove(&self.session);
+                registry.subscribers.remove(&self.key);
             }
         }
     }
 }
 
 impl SessionFanOut {
-    /// Registers a subscriber for `session`'s entries from now on.
-    pub fn subscribe(&self, session: SessionId) -> SessionEvents {
+    /// Registers a subscriber for the entries of `session` of `namespace` from now on.
+    pub fn subscribe(&self, namespace: &Namespace, session: SessionId) -> SessionEvents {
         let (sender, receiver) = mpsc::channel(QUEUE);
         let mut registry = self.registry.lock().expect("fan-out lock poisoned");
         let id = registry.next_id;
         registry.next_id += 1;
-        registry.subscribers.entry(session).or_default().push((id, sender));
-        SessionEvents { receiver, session, id, registry: self.registry.clone() }
+        let key = (namespace.clone(), session);
+        registry.subscribers.entry(key.clone()).or_default().push((id, sender));
+        SessionEvents { receiver, key, id, registry: self.registry.clone() }
     }
 
     /// Hands an applied entry to the subscribers of each session its events name, once each.
@@ -103,10 +108,11 @@ impl SessionFanOut {
         named.sort_unstable();
         named.dedup();
         for session in named {
-            if let Some(list) = registry.subscribers.get_mut(&session) {
+            let key = (entry.namespace.clone(), session);
+            if let Some(list) = registry.subscribers.get_mut(&key) {
                 deliver(list, Delivery::Entry(entry.clone()));
                 if list.is_empty() {
-                    registry.subscribers.remove(&session);
+                    registry.subscribers.remove(&key);
                 }
             }
         }
@@ -138,7 +144,15 @@ mod tests {
     use super::*;
     use crate::ids::{FencingToken, PartitionId};
 
+    fn ns(name: &str) -> Namespace {
+        Namespace::new(name).expect("a valid name")
+    }
+
     fn granted(index: u64, sessions: &[u64]) -> Arc<AppliedEvent> {
+        granted_in(&Namespace::default_namespace(), index, sessions)
+    }
+
+    fn granted_in(namespace: &Namespace, index: u64, sessions: &[u64]) -> Arc<AppliedEvent> {
         let events = sessions
             .iter()
             .map(|s| Event::Granted {
@@ -147,7 +161,7 @@ mod tests {
                 token: FencingToken(index),
             })
             .collect();
-        Arc::new(AppliedEvent { index, events, snapshot: false })
+        Arc::new(AppliedEvent { index, namespace: namespace.clone(), events, snapshot: false })
     }
 
     fn entry_index(delivery: Option<Delivery>) -> Option<u64> {
@@ -160,8 +174,8 @@ mod tests {
     #[tokio::test]
     async fn an_entry_reaches_only_the_sessions_it_names_once_each() {
         let fan_out = SessionFanOut::default();
-        let mut one = fan_out.subscribe(SessionId(1));
-        let mut two = fan_out.subscribe(SessionId(2));
+        let mut one = fan_out.subscribe(&ns("default"), SessionId(1));
+        let mut two = fan_out.subscribe(&ns("default"), SessionId(2));
         fan_out.publish(&granted(5, &[1, 1]));
         fan_out.publish(&granted(6, &[2]));
         fan_out.publish(&granted(7, &[1, 2]));
@@ -174,10 +188,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_session_number_of_one_namespace_hears_nothing_of_another() {
+        let fan_out = SessionFanOut::default();
+        let mut billing = fan_out.subscribe(&ns("billing"), SessionId(1));
+        let mut search = fan_out.subscribe(&ns("search"), SessionId(1));
+        fan_out.publish(&granted_in(&ns("billing"), 4, &[1]));
+        fan_out.publish(&granted_in(&ns("search"), 5, &[1]));
+        assert_eq!(entry_index(billing.recv().await), Some(4));
+        assert_eq!(entry_index(search.recv().await), Some(5));
+        assert!(billing.receiver.try_recv().is_err(), "search's session 1 is not billing's");
+        assert!(search.receiver.try_recv().is_err());
+    }
+
+    #[tokio::test]
     async fn a_dropped_subscription_is_forgotten() {
         let fan_out = SessionFanOut::default();
-        let first = fan_out.subscribe(SessionId(1));
-        let mut second = fan_out.subscribe(SessionId(1));
+        let first = fan_out.subscribe(&ns("default"), SessionId(1));
+        let mut second = fan_out.subscribe(&ns("default"), SessionId(1));
         drop(first);
         assert_eq!(fan_out.sessions_subscribed(), 1);
         fan_out.publish(&granted(3, &[1]));
@@ -189,7 +216,7 @@ mod tests {
     #[tokio::test]
     async fn a_subscriber_that_falls_behind_is_dropped_not_skipped() {
         let fan_out = SessionFanOut::default();
-        let mut slow = fan_out.subscribe(SessionId(1));
+        let mut slow = fan_out.subscribe(&ns("default"), SessionId(1));
         for index in 0..QUEUE as u64 + 5 {
             fan_out.publish(&granted(index, &[1]));
         }
@@ -205,8 +232,8 @@ mod tests {
     #[tokio::test]
     async fn a_snapshot_tells_every_subscriber_to_resynchronise() {
         let fan_out = SessionFanOut::default();
-        let mut one = fan_out.subscribe(SessionId(1));
-        let mut two = fan_out.subscribe(SessionId(2));
+        let mut one = fan_out.subscribe(&ns("default"), SessionId(1));
+        let mut two = fan_out.subscribe(&ns("default"), SessionId(2));
         fan_out.resync_all();
         assert!(matches!(one.recv().await, Some(Delivery::Resync)));
         assert!(matches!(two.recv().await, Some(Delivery::Resync)));

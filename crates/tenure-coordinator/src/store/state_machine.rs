@@ -14,7 +14,9 @@ use super::db::{cf, decode, encode, io_error, synced, Db, CF_PARTITIONS, CF_SESS
 use super::session_fan_out::{SessionEvents, SessionFanOut};
 use crate::codec::FormatError;
 use crate::ids::SessionId;
-use crate::ownership::{Config, Event, OwnershipState, PartitionRecord, Response, SessionRecord, Settings};
+use crate::ownership::{
+    Config, Event, Namespace, Namespaces, OwnershipState, PartitionRecord, Response, SessionRecord, Settings,
+};
 use crate::raft::{Entry, LogId, StorageError, StoredMembership, TypeConfig};
 use openraft::storage::{RaftStateMachine, Snapshot};
 use openraft::{EntryPayload, ErrorSubject, ErrorVerb, OptionalSend, RaftSnapshotBuilder, SnapshotMeta};
@@ -27,9 +29,10 @@ use tokio::sync::broadcast;
 
 const KEY_LAST_APPLIED: &[u8] = b"last_applied";
 const KEY_MEMBERSHIP: &[u8] = b"membership";
-const KEY_CONFIG: &[u8] = b"config";
-const KEY_NEXT_SESSION: &[u8] = b"next_session";
-const KEY_SETTINGS: &[u8] = b"settings";
+/// Per namespace, each followed by the namespace's name: its configuration with its session
+/// counter, and its operator settings (kept apart: they are written only when they change).
+const KEY_TABLE: &[u8] = b"table\0";
+const KEY_SETTINGS: &[u8] = b"settings\0";
 /// The stored snapshot: its metadata and its data, beside each other.
 const KEY_SNAPSHOT_META: &[u8] = b"snapshot_meta";
 const KEY_SNAPSHOT_DATA: &[u8] = b"snapshot_data";
@@ -41,9 +44,54 @@ const EVENT_BUFFER: usize = 4096;
 /// awaits while holding it.
 #[derive(Debug, Default)]
 pub struct Applied {
-    pub state: OwnershipState,
+    pub namespaces: Namespaces,
     pub last_applied: Option<LogId>,
     pub membership: StoredMembership,
+}
+
+impl Applied {
+    /// The default namespace's table.
+    pub fn default_table(&self) -> &OwnershipState {
+        self.namespaces.default_table()
+    }
+
+    /// A namespace's table, if it exists.
+    pub fn table(&self, namespace: &Namespace) -> Option<&OwnershipState> {
+        self.namespaces.get(namespace)
+    }
+}
+
+/// A namespace's configuration and session counter, as stored.
+#[derive(Serialize, Deserialize)]
+struct TableMeta {
+    config: Option<Config>,
+    next_session: u64,
+}
+
+/// `prefix` (a metadata key's kind, or nothing for a row) then the namespace, then `suffix`:
+/// namespace names never hold a zero byte, so one namespace's keys are one contiguous range.
+fn key(prefix: &[u8], namespace: &Namespace, suffix: &[u8]) -> Vec<u8> {
+    let mut key = Vec::with_capacity(prefix.len() + namespace.as_str().len() + 1 + suffix.len());
+    key.extend_from_slice(prefix);
+    key.extend_from_slice(namespace.as_str().as_bytes());
+    key.push(0);
+    key.extend_from_slice(suffix);
+    key
+}
+
+/// The keys of every row of `namespace`: `[start, end)`.
+fn rows_of(namespace: &Namespace) -> (Vec<u8>, Vec<u8>) {
+    let start = key(b"", namespace, b"");
+    let mut end = start.clone();
+    *end.last_mut().expect("a key is never empty") = 1;
+    (start, end)
+}
+
+/// A row key read back: its namespace and the rest.
+fn split_row_key(key: &[u8]) -> Option<(Namespace, &[u8])> {
+    let zero = key.iter().position(|b| *b == 0)?;
+    let namespace = Namespace::new(std::str::from_utf8(&key[..zero]).ok()?).ok()?;
+    Some((namespace, &key[zero + 1..]))
 }
 
 pub type SharedState = Arc<RwLock<Applied>>;
@@ -54,6 +102,9 @@ pub type SharedState = Arc<RwLock<Applied>>;
 #[derive(Clone, Debug)]
 pub struct AppliedEvent {
     pub index: u64,
+    /// The namespace the entry acted on (the default one for a snapshot's mark, which stands
+    /// for every namespace).
+    pub namespace: Namespace,
     pub events: Vec<Event>,
     pub snapshot: bool,
 }
@@ -62,24 +113,28 @@ pub struct AppliedEvent {
 struct SnapshotPayload {
     last_applied: Option<LogId>,
     membership: StoredMembership,
-    state: OwnershipState,
+    namespaces: Namespaces,
 }
 
 fn encode_snapshot(payload: &SnapshotPayload) -> Vec<u8> {
     crate::codec::encode(payload)
 }
 
-/// A snapshot's data for `state` alone (no membership, nothing applied), as a node would send
-/// it: for measuring what a table costs to snapshot.
+/// A snapshot's data for a cluster whose default namespace is `state` and that holds no other
+/// (no membership, nothing applied), as a node would send it: for measuring what a table costs
+/// to snapshot.
 pub fn encode_table_snapshot(state: &OwnershipState) -> Vec<u8> {
-    let payload =
-        SnapshotPayload { last_applied: None, membership: StoredMembership::default(), state: state.clone() };
+    let payload = SnapshotPayload {
+        last_applied: None,
+        membership: StoredMembership::default(),
+        namespaces: Namespaces::with_default(state.clone()),
+    };
     encode_snapshot(&payload)
 }
 
-/// The table a snapshot's data carries, read as a node installing it would.
+/// The default namespace's table a snapshot's data carries, read as a node installing it would.
 pub fn decode_table_snapshot(data: &[u8]) -> Result<OwnershipState, FormatError> {
-    decode_snapshot(data).map(|payload| payload.state)
+    decode_snapshot(data).map(|payload| payload.namespaces.default_table().clone())
 }
 
 /// Whether `data` is a snapshot this build can install: checked on receipt, before openraft is
@@ -145,9 +200,9 @@ impl StateMachineStore {
         self.events.subscribe()
     }
 
-    /// Subscribes to the entries that name `session` (see [`SessionFanOut`]).
-    pub fn subscribe_session(&self, session: SessionId) -> SessionEvents {
-        self.sessions.subscribe(session)
+    /// Subscribes to the entries that name `session` of `namespace` (see [`SessionFanOut`]).
+    pub fn subscribe_session(&self, namespace: &Namespace, session: SessionId) -> SessionEvents {
+        self.sessions.subscribe(namespace, session)
     }
 
     /// Subscribes, then reads how far the state machine had applied: every entry after that
@@ -166,47 +221,62 @@ impl StateMachineStore {
         full: bool,
         snapshot: Option<(&SnapshotMeta<u64, crate::raft::Member>, &[u8])>,
     ) -> Result<(), StorageError> {
-        let changes = applied.state.take_changes();
+        let changes = applied.namespaces.take_changes();
         let mut batch = rocksdb::WriteBatch::default();
         if let Some((meta, data)) = snapshot {
             put_snapshot(&self.db, &mut batch, meta, data);
         }
         let (parts, sess, meta) =
             (cf(&self.db, CF_PARTITIONS), cf(&self.db, CF_SESSIONS), cf(&self.db, CF_SM_META));
-        let state = &applied.state;
         if full {
-            batch.delete_range_cf(parts, [0u8; 4], [0xffu8; 4]);
-            batch.delete_cf(parts, [0xffu8; 4]);
-            batch.delete_range_cf(sess, [0u8; 8], [0xffu8; 8]);
-            batch.delete_cf(sess, [0xffu8; 8]);
-            for (p, record) in state.partitions().iter().enumerate() {
-                if *record != PartitionRecord::default() {
-                    batch.put_cf(parts, (p as u32).to_be_bytes(), encode(record));
-                }
+            // Namespace names are ASCII, so every row key sorts below 0xff.
+            for family in [parts, sess] {
+                batch.delete_range_cf(family, b"".as_slice(), [0xffu8].as_slice());
             }
-            for (s, record) in state.sessions() {
-                batch.put_cf(sess, s.0.to_be_bytes(), encode(record));
+            for kind in [KEY_TABLE, KEY_SETTINGS] {
+                let mut end = kind.to_vec();
+                *end.last_mut().expect("a key kind is never empty") = 1;
+                batch.delete_range_cf(meta, kind, end.as_slice());
+            }
+            for (namespace, state) in applied.namespaces.iter() {
+                for (p, record) in state.partitions().iter().enumerate() {
+                    if *record != PartitionRecord::default() {
+                        batch.put_cf(parts, key(b"", namespace, &(p as u32).to_be_bytes()), encode(record));
+                    }
+                }
+                for (s, record) in state.sessions() {
+                    batch.put_cf(sess, key(b"", namespace, &s.0.to_be_bytes()), encode(record));
+                }
+                put_table_meta(&mut batch, meta, namespace, state, true);
             }
         } else {
-            for p in &changes.partitions {
-                match state.partitions().get(*p as usize) {
-                    Some(record) if *record != PartitionRecord::default() => {
-                        batch.put_cf(parts, p.to_be_bytes(), encode(record))
+            for namespace in &changes.deleted {
+                let (start, end) = rows_of(namespace);
+                batch.delete_range_cf(parts, start.as_slice(), end.as_slice());
+                batch.delete_range_cf(sess, start.as_slice(), end.as_slice());
+                batch.delete_cf(meta, key(KEY_TABLE, namespace, b""));
+                batch.delete_cf(meta, key(KEY_SETTINGS, namespace, b""));
+            }
+            for (namespace, changed) in &changes.tables {
+                let Some(state) = applied.namespaces.get(namespace) else { continue };
+                for p in &changed.partitions {
+                    let row = key(b"", namespace, &p.to_be_bytes());
+                    match state.partitions().get(*p as usize) {
+                        Some(record) if *record != PartitionRecord::default() => {
+                            batch.put_cf(parts, row, encode(record))
+                        }
+                        _ => batch.delete_cf(parts, row),
                     }
-                    _ => batch.delete_cf(parts, p.to_be_bytes()),
                 }
-            }
-            for s in &changes.sessions {
-                match state.session(*s) {
-                    Some(record) => batch.put_cf(sess, s.0.to_be_bytes(), encode(record)),
-                    None => batch.delete_cf(sess, s.0.to_be_bytes()),
+                for s in &changed.sessions {
+                    let row = key(b"", namespace, &s.0.to_be_bytes());
+                    match state.session(*s) {
+                        Some(record) => batch.put_cf(sess, row, encode(record)),
+                        None => batch.delete_cf(sess, row),
+                    }
                 }
+                put_table_meta(&mut batch, meta, namespace, state, changed.meta);
             }
-        }
-        batch.put_cf(meta, KEY_CONFIG, encode(&state.config()));
-        batch.put_cf(meta, KEY_NEXT_SESSION, encode(&state.next_session()));
-        if full || changes.meta {
-            batch.put_cf(meta, KEY_SETTINGS, encode(state.settings()));
         }
         batch.put_cf(meta, KEY_LAST_APPLIED, encode(&applied.last_applied));
         batch.put_cf(meta, KEY_MEMBERSHIP, encode(&applied.membership));
@@ -219,7 +289,7 @@ impl StateMachineStore {
             let payload = SnapshotPayload {
                 last_applied: applied.last_applied,
                 membership: applied.membership.clone(),
-                state: applied.state.clone(),
+                namespaces: applied.namespaces.clone(),
             };
             let seq = self.snapshot_seq.fetch_add(1, Ordering::Relaxed);
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
@@ -245,18 +315,6 @@ impl StateMachineStore {
 pub(super) fn load(db: &Db) -> Result<Applied, StorageError> {
     let meta = cf(db, CF_SM_META);
     let get = |key: &[u8]| db.get_cf(meta, key).map_err(read_err);
-    let config: Option<Config> = match get(KEY_CONFIG)? {
-        Some(b) => decode(&b).map_err(read_err)?,
-        None => None,
-    };
-    let next_session: u64 = match get(KEY_NEXT_SESSION)? {
-        Some(b) => decode(&b).map_err(read_err)?,
-        None => 0,
-    };
-    let settings: Settings = match get(KEY_SETTINGS)? {
-        Some(b) => decode(&b).map_err(read_err)?,
-        None => Settings::default(),
-    };
     let last_applied: Option<LogId> = match get(KEY_LAST_APPLIED)? {
         Some(b) => decode(&b).map_err(read_err)?,
         None => None,
@@ -265,32 +323,89 @@ pub(super) fn load(db: &Db) -> Result<Applied, StorageError> {
         Some(b) => decode(&b).map_err(read_err)?,
         None => StoredMembership::default(),
     };
-    let count = config.map(|c| c.partition_count).unwrap_or(0) as usize;
-    let mut partitions = vec![PartitionRecord::default(); count];
-    for item in db.iterator_cf(cf(db, CF_PARTITIONS), rocksdb::IteratorMode::Start) {
-        let (key, value) = item.map_err(read_err)?;
-        let p = u32::from_be_bytes(
-            key.as_ref().try_into().map_err(|_| read_err(std::io::Error::other("bad partition key")))?,
+    let bad = |what: &str| read_err(std::io::Error::other(what.to_string()));
+    // Each namespace's configuration first, so its rows have a table to go into.
+    struct Loading {
+        meta: TableMeta,
+        settings: Settings,
+        partitions: Vec<PartitionRecord>,
+        sessions: BTreeMap<SessionId, SessionRecord>,
+    }
+    let mut tables: BTreeMap<Namespace, Loading> = BTreeMap::new();
+    for item in db.prefix_iterator_cf(meta, KEY_TABLE) {
+        let (k, value) = item.map_err(read_err)?;
+        if !k.starts_with(KEY_TABLE) {
+            break;
+        }
+        let (namespace, rest) =
+            split_row_key(&k[KEY_TABLE.len()..]).ok_or_else(|| bad("bad namespace key"))?;
+        if !rest.is_empty() {
+            return Err(bad("bad namespace key"));
+        }
+        let table: TableMeta = decode(&value).map_err(read_err)?;
+        let settings: Settings = match get(&key(KEY_SETTINGS, &namespace, b""))? {
+            Some(b) => decode(&b).map_err(read_err)?,
+            None => Settings::default(),
+        };
+        let count = table.config.map_or(0, |c| c.partition_count) as usize;
+        tables.insert(
+            namespace,
+            Loading {
+                meta: table,
+                settings,
+                partitions: vec![PartitionRecord::default(); count],
+                sessions: BTreeMap::new(),
+            },
         );
-        let slot = partitions.get_mut(p as usize).ok_or_else(|| {
-            read_err(std::io::Error::other(format!("partition row {p} beyond the configured count")))
+    }
+    for item in db.iterator_cf(cf(db, CF_PARTITIONS), rocksdb::IteratorMode::Start) {
+        let (k, value) = item.map_err(read_err)?;
+        let (namespace, rest) = split_row_key(&k).ok_or_else(|| bad("bad partition key"))?;
+        let p = u32::from_be_bytes(rest.try_into().map_err(|_| bad("bad partition key"))?);
+        let table = tables
+            .get_mut(&namespace)
+            .ok_or_else(|| bad(&format!("partition row {p} of namespace {namespace}, which has no table")))?;
+        let slot = table.partitions.get_mut(p as usize).ok_or_else(|| {
+            bad(&format!("partition row {p} of namespace {namespace} beyond its configured count"))
         })?;
         *slot = decode(&value).map_err(read_err)?;
     }
-    let mut sessions = BTreeMap::new();
     for item in db.iterator_cf(cf(db, CF_SESSIONS), rocksdb::IteratorMode::Start) {
-        let (key, value) = item.map_err(read_err)?;
-        let s = u64::from_be_bytes(
-            key.as_ref().try_into().map_err(|_| read_err(std::io::Error::other("bad session key")))?,
-        );
+        let (k, value) = item.map_err(read_err)?;
+        let (namespace, rest) = split_row_key(&k).ok_or_else(|| bad("bad session key"))?;
+        let s = u64::from_be_bytes(rest.try_into().map_err(|_| bad("bad session key"))?);
+        let table = tables
+            .get_mut(&namespace)
+            .ok_or_else(|| bad(&format!("session row {s} of namespace {namespace}, which has no table")))?;
         let record: SessionRecord = decode(&value).map_err(read_err)?;
-        sessions.insert(SessionId(s), record);
+        table.sessions.insert(SessionId(s), record);
     }
-    Ok(Applied {
-        state: OwnershipState::from_parts(config, partitions, sessions, next_session).with_settings(settings),
-        last_applied,
-        membership,
-    })
+    let tables: BTreeMap<Namespace, OwnershipState> = tables
+        .into_iter()
+        .map(|(namespace, t)| {
+            let state =
+                OwnershipState::from_parts(t.meta.config, t.partitions, t.sessions, t.meta.next_session)
+                    .with_settings(t.settings);
+            (namespace, state)
+        })
+        .collect();
+    Ok(Applied { namespaces: Namespaces::from(tables), last_applied, membership })
+}
+
+/// A namespace's configuration and session counter (every time it is touched: both are small)
+/// and, when they changed, its settings.
+fn put_table_meta(
+    batch: &mut rocksdb::WriteBatch,
+    meta: &rocksdb::ColumnFamily,
+    namespace: &Namespace,
+    state: &OwnershipState,
+    settings_changed: bool,
+) {
+    let table = TableMeta { config: state.config(), next_session: state.next_session() };
+    batch.put_cf(meta, key(KEY_TABLE, namespace, b""), encode(&table));
+    if settings_changed {
+        batch.put_cf(meta, key(KEY_SETTINGS, namespace, b""), encode(state.settings()));
+    }
 }
 
 impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
@@ -320,11 +435,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
                 applied.last_applied = Some(entry.log_id);
                 match entry.payload {
                     EntryPayload::Blank => responses.push(Response::Noop),
-                    EntryPayload::Normal(command) => {
-                        let (response, events) = applied.state.apply(entry.log_id.index, &command);
+                    EntryPayload::Normal(proposal) => {
+                        let (response, events) = applied.namespaces.apply(entry.log_id.index, &proposal);
                         if !events.is_empty() {
                             published.push(Arc::new(AppliedEvent {
                                 index: entry.log_id.index,
+                                namespace: proposal.namespace().clone(),
                                 events,
                                 snapshot: false,
                             }));
@@ -366,7 +482,7 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             .map_err(|e| io_error(ErrorSubject::Snapshot(Some(meta.signature())), ErrorVerb::Read, e))?;
         let mut applied = self.shared.write().expect("state lock poisoned");
         let mut installed = Applied {
-            state: payload.state,
+            namespaces: payload.namespaces,
             last_applied: meta.last_log_id,
             membership: meta.last_membership.clone(),
         };
@@ -377,7 +493,12 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
         drop(applied);
         let index = meta.last_log_id.map_or(0, |l| l.index);
         self.sessions.resync_all();
-        let _ = self.events.send(Arc::new(AppliedEvent { index, events: Vec::new(), snapshot: true }));
+        let _ = self.events.send(Arc::new(AppliedEvent {
+            index,
+            namespace: Namespace::default_namespace(),
+            events: Vec::new(),
+            snapshot: true,
+        }));
         Ok(())
     }
 

@@ -475,7 +475,7 @@ fn add_node(
 fn publish_state(node: &server::RunningNode) -> Published {
     let metrics = node.raft().metrics().borrow().clone();
     let applied = node.node.state.read().expect("state lock poisoned");
-    let rows = crate::recording::final_table(&applied.state);
+    let rows = crate::recording::final_table(applied.default_table());
     Published {
         leader: metrics.current_leader == Some(node.node.config.id)
             && metrics.state == openraft::ServerState::Leader,
@@ -483,9 +483,16 @@ fn publish_state(node: &server::RunningNode) -> Published {
         last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
         rows,
         // Still moving: something is revoking, or the leader has a placement still to decide.
-        revoking: applied.state.partitions().iter().any(|r| r.revoking)
-            || tenure_coordinator::planner::plan(&applied.state, &node.node.config.placement).is_some(),
-        sessions: applied.state.sessions().iter().filter(|(_, s)| !s.leaving).map(|(id, _)| *id).collect(),
+        revoking: applied.default_table().partitions().iter().any(|r| r.revoking)
+            || tenure_coordinator::planner::plan(applied.default_table(), &node.node.config.placement)
+                .is_some(),
+        sessions: applied
+            .default_table()
+            .sessions()
+            .iter()
+            .filter(|(_, s)| !s.leaving)
+            .map(|(id, _)| *id)
+            .collect(),
     }
 }
 
