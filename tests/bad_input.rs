@@ -54,7 +54,10 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     let err = answers.message().await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_session"));
 
-    let err = client.leave(proto::LeaveRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
+    let err = client
+        .leave(proto::LeaveRequest { session_id, secret: "not-it".into(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "wrong_secret");
 
     let err = client
@@ -64,6 +67,7 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
             partitions: vec![0],
             all: false,
             tokens: vec![],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -76,12 +80,16 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
             partitions: vec![0, 1],
             all: false,
             tokens: vec![5],
+            ..Default::default()
         })
         .await
         .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_argument"));
 
-    let err = client.watch(proto::WatchRequest { session_id, secret: "not-it".into() }).await.unwrap_err();
+    let err = client
+        .watch(proto::WatchRequest { session_id, secret: "not-it".into(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "wrong_secret");
 
     let err = client
@@ -92,16 +100,30 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
 
     // Joins the table would refuse are refused before they become log entries.
     let log_before = c.node(leader).expect("the leader runs").raft().metrics().borrow().last_log_index;
-    let err = client.join(proto::JoinRequest { name: String::new(), weight: 1 }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: String::new(), weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_name"));
-    let err = client.join(proto::JoinRequest { name: "n".repeat(1000), weight: 1 }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: "n".repeat(1000), weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "invalid_name");
-    let err = client.join(proto::JoinRequest { name: "two\nlines".into(), weight: 1 }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: "two\nlines".into(), weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "invalid_name");
-    let err = client.join(proto::JoinRequest { name: "heavy".into(), weight: 1_000_000 }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: "heavy".into(), weight: 1_000_000, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "invalid_weight");
-    let err =
-        client.join(proto::JoinRequest { name: "heaviest".into(), weight: u32::MAX }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: "heaviest".into(), weight: u32::MAX, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "invalid_weight");
     let log_after = c.node(leader).expect("the leader runs").raft().metrics().borrow().last_log_index;
     assert_eq!(log_after, log_before, "a refused join appended nothing");
@@ -127,7 +149,10 @@ async fn wrong_sessions_secrets_and_partitions_are_refused_without_a_state_chang
     // A follower points at the leader.
     let follower = (1..=3).find(|id| *id != leader).unwrap();
     let mut on_follower = api_client(&c, follower).await;
-    let err = on_follower.join(proto::JoinRequest { name: "w9".into(), weight: 1 }).await.unwrap_err();
+    let err = on_follower
+        .join(proto::JoinRequest { name: "w9".into(), weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::Unavailable, "not_leader"));
     let hinted = err.metadata().get(tenure::server::LEADER_METADATA).unwrap().to_str().unwrap();
     assert_eq!(hinted, c.addr(leader).to_string());
@@ -153,10 +178,10 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
     // Ownership and route streams share one budget, heartbeat streams have their own, so
     // subscribers cannot crowd out renewals.
     let routes = [
-        client.routes(proto::RoutesRequest {}).await.expect("first route stream"),
-        client.routes(proto::RoutesRequest {}).await.expect("second route stream"),
+        client.routes(proto::RoutesRequest { ..Default::default() }).await.expect("first route stream"),
+        client.routes(proto::RoutesRequest { ..Default::default() }).await.expect("second route stream"),
     ];
-    let err = client.routes(proto::RoutesRequest {}).await.unwrap_err();
+    let err = client.routes(proto::RoutesRequest { ..Default::default() }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_streams"));
     // Heartbeat streams held open with nothing sent yet.
     let mut held = Vec::new();
@@ -186,7 +211,7 @@ async fn streams_beyond_the_limit_are_refused_and_a_closed_one_frees_its_place()
     drop(routes);
     eventually("a route stream's place is free again", || {
         let mut client = client.clone();
-        async move { client.routes(proto::RoutesRequest {}).await.ok() }
+        async move { client.routes(proto::RoutesRequest { ..Default::default() }).await.ok() }
     })
     .await;
     c.shutdown().await;
@@ -471,7 +496,7 @@ async fn joins_beyond_the_session_cap_are_refused_until_one_leaves() {
     let log_before = log();
     let principal = tenure::tls::Principal::Worker("w4".into());
     let mut w4 = api_client_as(&c, leader, &principal).await;
-    let join_w4 = proto::JoinRequest { name: "w4".into(), weight: 1 };
+    let join_w4 = proto::JoinRequest { name: "w4".into(), weight: 1, ..Default::default() };
     let err = w4.join(join_w4.clone()).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_sessions"));
     assert!(err.message().contains('3'), "the message names the limit: {}", err.message());
@@ -535,7 +560,11 @@ async fn a_burst_of_joins_is_held_to_the_leaders_rate() {
     let answers: Vec<_> = futures::stream::iter(0..10_000)
         .map(|_| {
             let mut client = client.clone();
-            async move { client.join(proto::JoinRequest { name: "storm".into(), weight: 1 }).await }
+            async move {
+                client
+                    .join(proto::JoinRequest { name: "storm".into(), weight: 1, ..Default::default() })
+                    .await
+            }
         })
         .buffer_unordered(64)
         .collect()
@@ -574,11 +603,17 @@ async fn a_megabyte_name_is_invalid_and_an_oversized_message_is_resource_exhaust
     let mut client = api_client(&c, leader).await;
 
     let megabyte = "n".repeat(1 << 20);
-    let err = client.join(proto::JoinRequest { name: megabyte, weight: 1 }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: megabyte, weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::InvalidArgument, "invalid_name"));
 
     let huge = "n".repeat(tenure::server::MAX_CLIENT_MESSAGE_BYTES + 1);
-    let err = client.join(proto::JoinRequest { name: huge.clone(), weight: 1 }).await.unwrap_err();
+    let err = client
+        .join(proto::JoinRequest { name: huge.clone(), weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "message_too_large"), "{err:?}");
     let beat = proto::HeartbeatRequest { session_id: w.session().0, secret: huge, ..Default::default() };
     let outcome = client.heartbeats(tokio_stream::iter([beat])).await;
@@ -616,10 +651,10 @@ async fn one_client_cannot_take_every_stream_of_a_node() {
     let w1 = Principal::Worker("w1".into());
     let mut greedy = api_client_as(&c, leader, &w1).await;
     let held = [
-        greedy.routes(proto::RoutesRequest {}).await.expect("first stream"),
-        greedy.routes(proto::RoutesRequest {}).await.expect("second stream"),
+        greedy.routes(proto::RoutesRequest { ..Default::default() }).await.expect("first stream"),
+        greedy.routes(proto::RoutesRequest { ..Default::default() }).await.expect("second stream"),
     ];
-    let err = greedy.routes(proto::RoutesRequest {}).await.unwrap_err();
+    let err = greedy.routes(proto::RoutesRequest { ..Default::default() }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::ResourceExhausted, "too_many_client_streams"));
     assert!(err.message().contains('2'), "the message names the limit: {}", err.message());
     // Heartbeat streams count against the same share.
@@ -628,15 +663,15 @@ async fn one_client_cannot_take_every_stream_of_a_node() {
     assert_eq!(kind(&err), "too_many_client_streams");
     // Another connection under the same certificate is the same client.
     let mut again = api_client_as(&c, leader, &w1).await;
-    let err = again.routes(proto::RoutesRequest {}).await.unwrap_err();
+    let err = again.routes(proto::RoutesRequest { ..Default::default() }).await.unwrap_err();
     assert_eq!(kind(&err), "too_many_client_streams");
     // Another worker is not crowded out.
     let mut other = api_client_as(&c, leader, &Principal::Worker("w2".into())).await;
-    other.routes(proto::RoutesRequest {}).await.expect("w2 gets a stream");
+    other.routes(proto::RoutesRequest { ..Default::default() }).await.expect("w2 gets a stream");
     drop(held);
     eventually("w1's places are free again once its streams close", || {
         let mut greedy = greedy.clone();
-        async move { greedy.routes(proto::RoutesRequest {}).await.ok() }
+        async move { greedy.routes(proto::RoutesRequest { ..Default::default() }).await.ok() }
     })
     .await;
     c.shutdown().await;

@@ -71,7 +71,10 @@ async fn a_client_without_a_certificate_of_the_cluster_ca_is_refused_at_the_hand
             )
             .unwrap();
     let mut anonymous = proto::coordinator_client::CoordinatorClient::new(endpoint.connect_lazy());
-    let err = anonymous.join(proto::JoinRequest { name: "w2".into(), weight: 1 }).await.unwrap_err();
+    let err = anonymous
+        .join(proto::JoinRequest { name: "w2".into(), weight: 1, ..Default::default() })
+        .await
+        .unwrap_err();
     assert!(
         matches!(err.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled),
         "{err:?}"
@@ -116,9 +119,15 @@ async fn a_worker_joins_and_acts_only_under_its_own_name() {
         proto::ReleaseRequest { session_id, secret: secret.clone(), all: true, ..Default::default() };
     let err = thief.release(release).await.unwrap_err();
     assert_eq!(kind(&err), "not_allowed", "{err:?}");
-    let err = thief.watch(proto::WatchRequest { session_id, secret: secret.clone() }).await.unwrap_err();
+    let err = thief
+        .watch(proto::WatchRequest { session_id, secret: secret.clone(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "not_allowed", "{err:?}");
-    let err = thief.leave(proto::LeaveRequest { session_id, secret: secret.clone() }).await.unwrap_err();
+    let err = thief
+        .leave(proto::LeaveRequest { session_id, secret: secret.clone(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(kind(&err), "not_allowed", "{err:?}");
 
     // A node's certificate is for the peer listener only.
@@ -129,7 +138,10 @@ async fn a_worker_joins_and_acts_only_under_its_own_name() {
     assert_eq!(fingerprint(&c.status().await.unwrap()), before, "nothing changed");
     // The owner itself still may.
     let mut owner = api_client_as(&c, leader, &Principal::Worker("w1".into())).await;
-    owner.leave(proto::LeaveRequest { session_id, secret }).await.expect("w1 leaves its own session");
+    owner
+        .leave(proto::LeaveRequest { session_id, secret, ..Default::default() })
+        .await
+        .expect("w1 leaves its own session");
     eventually("w1's session ends", || async { c.status().await.ok().filter(|s| s.sessions.is_empty()) })
         .await;
     c.shutdown().await;

@@ -285,7 +285,14 @@ async fn a_leave_without_a_release_still_revokes_everything() {
     settled(&c, 2).await;
 
     let mut feeds = feeds(&c);
-    client.leave(proto::LeaveRequest { session_id: joined.session_id, secret: joined.secret }).await.unwrap();
+    client
+        .leave(proto::LeaveRequest {
+            session_id: joined.session_id,
+            secret: joined.secret,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     first_applied(&mut feeds, move |e| matches!(e, Event::Revoking { session: s, .. } if *s == session))
         .await;
     let status = settled(&c, 1).await;
@@ -322,7 +329,9 @@ async fn a_shortened_ttl_expires_no_lease_before_the_ttl_its_worker_was_told() {
     let believed_until = latest(&handles).map_or(before, |after| after.max(before));
 
     let mut ops = operator(&c).await;
-    let set = ops.set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: 500 }).await;
+    let set = ops
+        .set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: 500, ..Default::default() })
+        .await;
     assert_eq!(set.expect("an operator sets the TTL").into_inner().was_ms, 4000);
     let leader = c.leader().expect("a leader");
     c.stop(leader).await;
@@ -363,17 +372,26 @@ async fn the_ttl_and_the_revoke_budget_change_at_run_time_and_bad_values_are_ref
     let (a, _b, _events, handles) = two_workers(&c).await;
     let mut ops = operator(&c).await;
     for ms in [0, 50, 86_400_001] {
-        let refused = ops.set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: ms }).await;
+        let refused = ops
+            .set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: ms, ..Default::default() })
+            .await;
         let status = refused.expect_err("out of range");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{ms}: {status:?}");
     }
-    let refused =
-        ops.set_revoke_budget(tenure::proto::SetRevokeBudgetRequest { max_revoking: Some(0) }).await;
+    let refused = ops
+        .set_revoke_budget(tenure::proto::SetRevokeBudgetRequest {
+            max_revoking: Some(0),
+            ..Default::default()
+        })
+        .await;
     assert_eq!(refused.expect_err("a budget of 0").code(), tonic::Code::InvalidArgument);
     let status = c.status().await.expect("status");
     assert_eq!((status.lease_ttl_ms, status.max_revoking, status.lease_ttl_ceiling_ms), (1000, None, 0));
 
-    let set = ops.set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: 3000 }).await.unwrap();
+    let set = ops
+        .set_lease_ttl(tenure::proto::SetLeaseTtlRequest { lease_ttl_ms: 3000, ..Default::default() })
+        .await
+        .unwrap();
     assert_eq!(set.into_inner().was_ms, 1000);
     eventually("a follows the longer TTL", || async {
         (a.lease_ttl() == Duration::from_secs(3)).then_some(())
@@ -387,7 +405,12 @@ async fn the_ttl_and_the_revoke_budget_change_at_run_time_and_bad_values_are_ref
     .await;
     assert!(longest <= Instant::now() + Duration::from_secs(3), "a lease beyond the TTL");
 
-    let set = ops.set_revoke_budget(tenure::proto::SetRevokeBudgetRequest { max_revoking: Some(1) }).await;
+    let set = ops
+        .set_revoke_budget(tenure::proto::SetRevokeBudgetRequest {
+            max_revoking: Some(1),
+            ..Default::default()
+        })
+        .await;
     assert_eq!(set.unwrap().into_inner().was, None);
     let c2 = worker(&c, "c").await;
     // With a budget of one, the newcomer's partitions come one at a time.
@@ -421,7 +444,12 @@ async fn a_move_left_unconfirmed_holds_the_budget_through_a_leader_change() {
     // A long TTL: b never renews on its own, and must keep its session through the test.
     let mut c = cluster_with_ttl(dir.path(), Duration::from_secs(10)).await;
     let mut ops = operator(&c).await;
-    let set = ops.set_revoke_budget(tenure::proto::SetRevokeBudgetRequest { max_revoking: Some(1) }).await;
+    let set = ops
+        .set_revoke_budget(tenure::proto::SetRevokeBudgetRequest {
+            max_revoking: Some(1),
+            ..Default::default()
+        })
+        .await;
     set.expect("an operator sets the budget");
     // a gives back what it is asked for, as an application does.
     let mut a = worker(&c, "a").await;
@@ -443,7 +471,10 @@ async fn a_move_left_unconfirmed_holds_the_budget_through_a_leader_change() {
     let leader = c.leader().expect("a leader");
     let mut b =
         tenure::proto::coordinator_client::CoordinatorClient::new(channel_as(&c, leader, &as_b).await);
-    let joined = b.join(tenure::proto::JoinRequest { name: "b".into(), weight: 1 }).await.expect("b joins");
+    let joined = b
+        .join(tenure::proto::JoinRequest { name: "b".into(), weight: 1, ..Default::default() })
+        .await
+        .expect("b joins");
     let joined = joined.into_inner();
     let owned_by_b = |s: &tenure::proto::StatusResponse| {
         s.partitions.iter().filter(|p| p.owner == joined.session_id && !p.revoking).count()

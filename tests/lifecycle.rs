@@ -271,17 +271,21 @@ async fn an_operators_drain_moves_a_workers_partitions_gracefully_and_ends_its_s
         before.partitions.iter().filter(|r| r.owner == w1.session().0).map(|r| r.partition).collect();
 
     let mut worker_cert = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w2".into())).await);
-    let err = worker_cert.drain(DrainRequest { name: "w1".into() }).await.unwrap_err();
+    let err = worker_cert.drain(DrainRequest { name: "w1".into(), ..Default::default() }).await.unwrap_err();
     assert_eq!(
         (err.code(), kind(&err)),
         (Code::PermissionDenied, "not_allowed"),
         "a worker may not drain another"
     );
     let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
-    let err = ops.drain(DrainRequest { name: "nobody".into() }).await.unwrap_err();
+    let err = ops.drain(DrainRequest { name: "nobody".into(), ..Default::default() }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_worker"));
 
-    let drained = ops.drain(DrainRequest { name: "w1".into() }).await.expect("w1 is drained").into_inner();
+    let drained = ops
+        .drain(DrainRequest { name: "w1".into(), ..Default::default() })
+        .await
+        .expect("w1 is drained")
+        .into_inner();
     assert_eq!(drained.sessions, vec![w1.session().0]);
     // w1 does what an application does: gives back each partition it is asked for.
     let (mut released, mut ended) = (Vec::new(), false);
@@ -330,12 +334,21 @@ async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_
     let w1_before = held(&before, w1.session().0);
 
     let mut as_worker = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w1".into())).await);
-    let err = as_worker.set_maintenance(SetMaintenanceRequest { on: true }).await.unwrap_err();
+    let err = as_worker
+        .set_maintenance(SetMaintenanceRequest { on: true, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
-    let err = as_worker.set_weight(SetWeightRequest { name: "w1".into(), weight: 5 }).await.unwrap_err();
+    let err = as_worker
+        .set_weight(SetWeightRequest { name: "w1".into(), weight: 5, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
     let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
-    let set = ops.set_maintenance(SetMaintenanceRequest { on: true }).await.expect("maintenance on");
+    let set = ops
+        .set_maintenance(SetMaintenanceRequest { on: true, ..Default::default() })
+        .await
+        .expect("maintenance on");
     assert!(!set.into_inner().was);
     assert!(c.status().await.unwrap().maintenance, "status shows maintenance mode");
 
@@ -360,7 +373,10 @@ async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_
     }
 
     // Off: the leader balances again.
-    let set = ops.set_maintenance(SetMaintenanceRequest { on: false }).await.expect("maintenance off");
+    let set = ops
+        .set_maintenance(SetMaintenanceRequest { on: false, ..Default::default() })
+        .await
+        .expect("maintenance off");
     assert!(set.into_inner().was);
     let after = settled(&c, 3).await;
     assert!(!after.maintenance);
@@ -374,12 +390,18 @@ async fn maintenance_mode_holds_live_owners_still_and_an_operators_weight_moves_
         ("w2", 4_294_967_295, Code::InvalidArgument, "invalid_weight"),
         ("w\n2", 2, Code::InvalidArgument, "invalid_name"),
     ] {
-        let err = ops.set_weight(SetWeightRequest { name: name.into(), weight }).await.unwrap_err();
+        let err = ops
+            .set_weight(SetWeightRequest { name: name.into(), weight, ..Default::default() })
+            .await
+            .unwrap_err();
         assert_eq!((err.code(), kind(&err)), (code, what), "{name:?} {weight}");
     }
     assert_eq!(c.status().await.unwrap().last_applied, applied, "no refused request became an entry");
     // Weight 3 of 5: w2 is to hold floor(24 * 3 / 5) = 14, the others 5 each.
-    let set = ops.set_weight(SetWeightRequest { name: "w2".into(), weight: 3 }).await.expect("weight set");
+    let set = ops
+        .set_weight(SetWeightRequest { name: "w2".into(), weight: 3, ..Default::default() })
+        .await
+        .expect("weight set");
     assert_eq!(set.into_inner().sessions, vec![w2.session().0]);
     eventually("w2 holds three fifths of the table", || async {
         let s = c.status().await.ok()?;
@@ -459,15 +481,26 @@ async fn an_operators_move_pins_a_partition_to_a_worker_and_it_moves_there_grace
     let p = before.partitions.iter().find(|r| r.owner == w1.session().0).expect("w1 owns some").partition;
 
     let mut as_worker = OperatorClient::new(channel_as(&c, leader, &Principal::Worker("w2".into())).await);
-    let err = as_worker.r#move(MoveRequest { partition: p, to: "w2".into() }).await.unwrap_err();
+    let err = as_worker
+        .r#move(MoveRequest { partition: p, to: "w2".into(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::PermissionDenied, "not_allowed"));
     let mut ops = OperatorClient::new(channel_as(&c, leader, &Principal::Operator("ops".into())).await);
-    let err = ops.r#move(MoveRequest { partition: 99, to: "w2".into() }).await.unwrap_err();
+    let err =
+        ops.r#move(MoveRequest { partition: 99, to: "w2".into(), ..Default::default() }).await.unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::OutOfRange, "partition_out_of_range"));
-    let err = ops.r#move(MoveRequest { partition: p, to: "nobody".into() }).await.unwrap_err();
+    let err = ops
+        .r#move(MoveRequest { partition: p, to: "nobody".into(), ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!((err.code(), kind(&err)), (Code::NotFound, "unknown_worker"));
 
-    let moved = ops.r#move(MoveRequest { partition: p, to: "w2".into() }).await.expect("pinned").into_inner();
+    let moved = ops
+        .r#move(MoveRequest { partition: p, to: "w2".into(), ..Default::default() })
+        .await
+        .expect("pinned")
+        .into_inner();
     assert_eq!(moved.was, "");
     // w1 does what an application does: gives back what it is asked for. It is asked for the
     // pinned partition, which it releases (never loses), and the table settles balanced.

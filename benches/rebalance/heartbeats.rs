@@ -90,7 +90,7 @@ pub(crate) async fn join_session(client: Client, name: String) -> Result<proto::
     let r = client
         .call(|mut c| {
             let name = name.clone();
-            async move { c.join(proto::JoinRequest { name, weight: 1 }).await }
+            async move { c.join(proto::JoinRequest { name, weight: 1, ..Default::default() }).await }
         })
         .await?;
     Ok(proto::HeartbeatRequest { session_id: r.session_id, secret: r.secret, ..Default::default() })

@@ -212,7 +212,9 @@ pub(crate) async fn leader_loss(table: &mut Table, trials: usize) -> Result<()> 
     .await?;
     let client = cluster.client();
     let joined = client
-        .call(|mut c| async move { c.join(proto::JoinRequest { name: "probe".into(), weight: 1 }).await })
+        .call(|mut c| async move {
+            c.join(proto::JoinRequest { name: "probe".into(), weight: 1, ..Default::default() }).await
+        })
         .await?;
     let beat = proto::HeartbeatRequest {
         session_id: joined.session_id,

@@ -105,7 +105,11 @@ pub(crate) async fn join_storm(table: &mut Table, partitions: u32, sessions: usi
 /// for what has arrived together), as the worker library does; a stream that breaks is opened
 /// again (its snapshot repeats what the session holds, revoking ones included).
 async fn watch_and_release(client: Client, beat: proto::HeartbeatRequest, stop: Arc<AtomicBool>) {
-    let request = proto::WatchRequest { session_id: beat.session_id, secret: beat.secret.clone() };
+    let request = proto::WatchRequest {
+        session_id: beat.session_id,
+        secret: beat.secret.clone(),
+        ..Default::default()
+    };
     while !stop.load(Ordering::Relaxed) {
         let opened = client
             .call(|mut c| {
@@ -138,6 +142,7 @@ async fn watch_and_release(client: Client, beat: proto::HeartbeatRequest, stop: 
                 partitions: revoked.iter().map(|r| r.0).collect(),
                 tokens: revoked.iter().map(|r| r.1).collect(),
                 all: false,
+                ..Default::default()
             };
             let _ = client
                 .call(|mut c| {

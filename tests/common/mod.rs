@@ -156,7 +156,7 @@ pub async fn raw_join(
 ) {
     let leader = c.leader().expect("a leader");
     let mut client = api_client_as(c, leader, &tenure::tls::Principal::Worker(name.into())).await;
-    let request = tenure::proto::JoinRequest { name: name.into(), weight: 1 };
+    let request = tenure::proto::JoinRequest { name: name.into(), weight: 1, ..Default::default() };
     let joined = client.join(request).await.expect("joins").into_inner();
     (client, joined)
 }

@@ -19,6 +19,10 @@ pub struct WorkerConfig {
     pub coordinators: Vec<String>,
     /// Stable across restarts, so the cluster recognises the worker.
     pub name: String,
+    /// The namespace (job) to join; empty for the cluster's `default` one. It must exist (an
+    /// operator creates it: `tenure ctl namespace create`). Partition numbers, tokens and
+    /// session ids belong to their namespace; a process may run one worker per namespace.
+    pub namespace: String,
     pub weight: u32,
     /// Subtracted from every local lease to cover clock-rate drift; default TTL / 5.
     pub safety_margin: Option<Duration>,
@@ -41,6 +45,7 @@ impl WorkerConfig {
         WorkerConfig {
             coordinators,
             name: name.into(),
+            namespace: String::new(),
             weight: 1,
             safety_margin: None,
             heartbeat_interval: None,

@@ -110,11 +110,13 @@ impl Worker {
         let request = proto::HeartbeatRequest {
             session_id: self.session.0,
             secret: self.secret.clone(),
+            namespace: self.namespace.clone(),
             ..Default::default()
         };
         let request_release = proto::ReleaseRequest {
             session_id: self.session.0,
             secret: self.secret.clone(),
+            namespace: self.namespace.clone(),
             ..Default::default()
         };
         async move {

@@ -83,6 +83,8 @@ use tokio_util::sync::CancellationToken;
 /// ```
 pub struct Worker {
     client: Client,
+    /// As the join named it (empty: `default`); every request of the session names it too.
+    namespace: String,
     session: SessionId,
     secret: String,
     shared: Arc<Shared>,
@@ -104,8 +106,9 @@ impl Drop for Worker {
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else { return };
         let (client, session, secret) = (self.client.clone(), self.session, self.secret.clone());
+        let namespace = self.namespace.clone();
         runtime.spawn(async move {
-            if let Err(e) = leave_session(&client, session, secret).await {
+            if let Err(e) = leave_session(&client, &namespace, session, secret).await {
                 tracing::debug!(error = %e, "leave on drop failed; the session will expire");
             }
         });
@@ -114,15 +117,23 @@ impl Drop for Worker {
 
 /// Leave, then release everything the session owns: the one graceful exit, shared by
 /// [`Worker::leave`] and the drop path. Returns the released partitions.
-async fn leave_session(client: &Client, session: SessionId, secret: String) -> Result<Vec<u32>, ClientError> {
-    let leave = proto::LeaveRequest { session_id: session.0, secret: secret.clone() };
+async fn leave_session(
+    client: &Client,
+    namespace: &str,
+    session: SessionId,
+    secret: String,
+) -> Result<Vec<u32>, ClientError> {
+    let namespace = namespace.to_string();
+    let leave =
+        proto::LeaveRequest { session_id: session.0, secret: secret.clone(), namespace: namespace.clone() };
     client
         .call(|mut c| {
             let leave = leave.clone();
             async move { c.leave(leave).await }
         })
         .await?;
-    let release = proto::ReleaseRequest { session_id: session.0, secret, all: true, ..Default::default() };
+    let release =
+        proto::ReleaseRequest { session_id: session.0, secret, all: true, namespace, ..Default::default() };
     let released = client
         .call(|mut c| {
             let release = release.clone();
@@ -164,7 +175,11 @@ impl Worker {
             .dialing_from(config.dial_from)
             .dialing_with(config.dialer.clone())
             .with_tls(config.tls.clone());
-        let request = proto::JoinRequest { name: config.name.clone(), weight: config.weight };
+        let request = proto::JoinRequest {
+            name: config.name.clone(),
+            weight: config.weight,
+            namespace: config.namespace.clone(),
+        };
         let joined = client
             .call(|mut c| {
                 let request = request.clone();
@@ -177,7 +192,9 @@ impl Worker {
             Ok((margin, _)) => margin,
             Err(why) => {
                 // Leases would lapse between heartbeats: give the new session back, then refuse.
-                let _ = leave_session(&client, SessionId(joined.session_id), joined.secret).await;
+                let _ =
+                    leave_session(&client, &config.namespace, SessionId(joined.session_id), joined.secret)
+                        .await;
                 return Err(ClientError::InvalidArgument(why));
             }
         };
@@ -191,6 +208,7 @@ impl Worker {
             Arc::new(Shared::new(Belief::new(ttl, margin), pacing, keyspace, tx, cancel.child_token()));
         let worker = Worker {
             client,
+            namespace: config.namespace.clone(),
             session: SessionId(joined.session_id),
             secret: joined.secret,
             shared,
@@ -267,6 +285,7 @@ impl Worker {
             partitions,
             all,
             tokens,
+            namespace: self.namespace.clone(),
         };
         let sent = send_release_request(self.client.clone(), request).await;
         self.shared.release_settled(&withdrawn.keys().copied().collect::<Vec<_>>());
@@ -293,7 +312,8 @@ impl Worker {
     pub async fn leave(&self) -> Result<(), ClientError> {
         self.shared.leaving.store(true, std::sync::atomic::Ordering::SeqCst);
         self.shared.withdraw(None);
-        if let Err(e) = leave_session(&self.client, self.session, self.secret.clone()).await {
+        if let Err(e) = leave_session(&self.client, &self.namespace, self.session, self.secret.clone()).await
+        {
             // Not left: the heartbeats may release what was withdrawn, as they would have.
             self.shared.leaving.store(false, std::sync::atomic::Ordering::SeqCst);
             return Err(e);

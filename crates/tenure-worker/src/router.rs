@@ -70,12 +70,22 @@ impl Router {
     /// Starts following the cluster's routes through `client` (which carries its TLS identity
     /// and dialer); reconnects (and resynchronises) on its own.
     pub fn follow(client: Client) -> Router {
+        Router::follow_namespace(client, "")
+    }
+
+    /// [`Router::follow`] for the routes of one namespace (empty: `default`).
+    pub fn follow_namespace(client: Client, namespace: &str) -> Router {
         let table = Arc::new(RwLock::new(Table::default()));
         let stop = CancellationToken::new();
         let (t, s) = (table.clone(), stop.clone());
+        let request = proto::RoutesRequest { namespace: namespace.to_string() };
         tokio::spawn(async move {
             loop {
-                let opened = client.call(|mut c| async move { c.routes(proto::RoutesRequest {}).await });
+                let request = request.clone();
+                let opened = client.call(|mut c| {
+                    let request = request.clone();
+                    async move { c.routes(request).await }
+                });
                 let stream = tokio::select! {
                     _ = s.cancelled() => return,
                     opened = opened => opened,

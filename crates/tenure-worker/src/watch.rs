@@ -13,7 +13,11 @@ impl Worker {
     /// off without the connection saying so).
     pub(super) fn watch_loop(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let (client, shared) = (self.client.clone(), self.shared.clone());
-        let request = proto::WatchRequest { session_id: self.session.0, secret: self.secret.clone() };
+        let request = proto::WatchRequest {
+            session_id: self.session.0,
+            secret: self.secret.clone(),
+            namespace: self.namespace.clone(),
+        };
         async move {
             let ttl = shared.ttl();
             let (mut patience, mut most) = (ttl / 2, (ttl / 4).clamp(RETRY_FIRST, Duration::from_secs(1)));

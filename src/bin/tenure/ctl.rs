@@ -36,6 +36,9 @@ pub struct CtlArgs {
     /// answers first, possibly behind (serializable).
     #[arg(long, value_enum, default_value_t = Consistency::Linearizable)]
     consistency: Consistency,
+    /// The namespace (job) the command is about; the cluster's `default` one if not given.
+    #[arg(short = 'n', long, env = "TENURE_NAMESPACE", default_value = "")]
+    namespace: String,
     #[command(flatten)]
     tls: super::ClientTlsArgs,
     #[command(subcommand)]
@@ -113,6 +116,11 @@ enum CtlCommand {
         #[arg(long)]
         unpin: bool,
     },
+    /// The cluster's namespaces, each a job of its own: list, create, delete. A namespace's
+    /// lease TTL and revoke budget are changed with `--namespace NAME lease-ttl` and
+    /// `revoke-budget`.
+    #[command(subcommand)]
+    Namespace(NamespaceCommand),
     /// Ownership changes as they commit (owner, token, revoking), one per line; reconnects to
     /// a new leader and reports what changed meanwhile.
     Watch {
@@ -120,6 +128,27 @@ enum CtlCommand {
         #[arg(long)]
         max_events: Option<u64>,
     },
+}
+
+#[derive(Subcommand)]
+enum NamespaceCommand {
+    /// Every namespace with its partition count, lease TTL, revoke budget and counts.
+    List,
+    /// Create a namespace (creating one that exists with the same settings changes nothing).
+    Create {
+        name: String,
+        /// Its partition count (1 to 1,048,576).
+        #[arg(long)]
+        partitions: u32,
+        /// Its lease TTL in milliseconds (100 to 86,400,000).
+        #[arg(long)]
+        lease_ttl_ms: u64,
+        /// Its revoke budget: the most partitions in motion at once (none if not given).
+        #[arg(long)]
+        max_revoking: Option<u32>,
+    },
+    /// Delete a namespace with no session left (drain its workers first).
+    Delete { name: String },
 }
 
 #[derive(Subcommand)]
@@ -181,8 +210,9 @@ pub async fn run(args: CtlArgs) -> Result<()> {
     let client = Client::new(args.endpoints.clone())?.with_tls(tls.clone());
     let json = args.write_out == Output::Json;
     let linearizable = args.consistency == Consistency::Linearizable;
+    let namespace = args.namespace.clone();
     let read = |request: StatusRequest, max_rows: Option<usize>| {
-        client.read_status(StatusRequest { linearizable, ..request }, max_rows)
+        client.read_status(StatusRequest { linearizable, namespace: namespace.clone(), ..request }, max_rows)
     };
     let out = match args.what {
         CtlCommand::Status => {
@@ -251,7 +281,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             shown(json, text, || table.json.clone())
         }
         CtlCommand::Drain { name } => {
-            let request = proto::DrainRequest { name: name.clone() };
+            let request = proto::DrainRequest { name: name.clone(), namespace };
             let drained = operator(&client, request, |mut c, r| async move { c.drain(r).await }).await?;
             let text = || {
                 format!(
@@ -263,7 +293,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
         }
         CtlCommand::Maintenance { mode } => {
             let on = mode == OnOff::On;
-            let request = proto::SetMaintenanceRequest { on };
+            let request = proto::SetMaintenanceRequest { on, namespace };
             let set =
                 operator(&client, request, |mut c, r| async move { c.set_maintenance(r).await }).await?;
             let word = |on: bool| if on { "on" } else { "off" };
@@ -271,13 +301,13 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             shown(json, text, || json!({ "maintenance": on, "was": set.was }))
         }
         CtlCommand::Weight { name, weight } => {
-            let request = proto::SetWeightRequest { name: name.clone(), weight };
+            let request = proto::SetWeightRequest { name: name.clone(), weight, namespace };
             let set = operator(&client, request, |mut c, r| async move { c.set_weight(r).await }).await?;
             let text = || format!("{name} has weight {weight} (sessions {:?})\n", set.sessions);
             shown(json, text, || json!({ "worker": name, "weight": weight, "sessions": set.sessions }))
         }
         CtlCommand::LeaseTtl { ms } => {
-            let request = proto::SetLeaseTtlRequest { lease_ttl_ms: ms };
+            let request = proto::SetLeaseTtlRequest { lease_ttl_ms: ms, namespace };
             let set = operator(&client, request, |mut c, r| async move { c.set_lease_ttl(r).await }).await?;
             let text = || {
                 format!(
@@ -288,7 +318,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             shown(json, text, || json!({ "lease_ttl_ms": ms, "was_ms": set.was_ms }))
         }
         CtlCommand::RevokeBudget { partitions, .. } => {
-            let request = proto::SetRevokeBudgetRequest { max_revoking: partitions };
+            let request = proto::SetRevokeBudgetRequest { max_revoking: partitions, namespace };
             let set =
                 operator(&client, request, |mut c, r| async move { c.set_revoke_budget(r).await }).await?;
             let word = |b: Option<u32>| b.map_or("unlimited".to_string(), |n| format!("{n} partitions"));
@@ -296,7 +326,7 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             shown(json, text, || json!({ "max_revoking": partitions, "was": set.was }))
         }
         CtlCommand::Move { partition, to, .. } => {
-            let request = proto::MoveRequest { partition, to: to.clone().unwrap_or_default() };
+            let request = proto::MoveRequest { partition, to: to.clone().unwrap_or_default(), namespace };
             let moved = operator(&client, request, |mut c, r| async move { c.r#move(r).await }).await?;
             let was = (!moved.was.is_empty()).then_some(moved.was);
             let text = || match &to {
@@ -307,7 +337,8 @@ pub async fn run(args: CtlArgs) -> Result<()> {
             };
             shown(json, text, || json!({ "partition": partition, "to": to, "was": was }))
         }
-        CtlCommand::Watch { max_events } => return watch(&client, json, max_events).await,
+        CtlCommand::Namespace(command) => namespaces(&client, command).await?.render(json),
+        CtlCommand::Watch { max_events } => return watch(&client, &namespace, json, max_events).await,
     };
     print!("{out}");
     Ok(())
@@ -481,6 +512,70 @@ fn partition_table(s: &StatusResponse, r: &proto::PartitionRow) -> Table {
         fields.insert("linearizable".into(), json!(s.linearizable));
     }
     Table { header: PARTITION_HEADER.to_vec(), rows: vec![partition_cells(r, &names)], json }
+}
+
+/// `ctl namespace`: one row per namespace (the one created or deleted, or every one).
+async fn namespaces(client: &Client, command: NamespaceCommand) -> Result<Table> {
+    let headers =
+        ["NAMESPACE", "PARTITIONS", "LEASE TTL", "REVOKE BUDGET", "SESSIONS", "UNOWNED", "REVOKING"];
+    let info_row = |n: &proto::NamespaceInfo| {
+        vec![
+            n.name.clone(),
+            n.partition_count.to_string(),
+            format!("{} ms", n.lease_ttl_ms),
+            n.max_revoking.map_or("-".to_string(), |b| b.to_string()),
+            n.sessions.to_string(),
+            n.unowned.to_string(),
+            n.revoking.to_string(),
+        ]
+    };
+    let info_json = |n: &proto::NamespaceInfo| {
+        json!({
+            "name": n.name,
+            "partition_count": n.partition_count,
+            "lease_ttl_ms": n.lease_ttl_ms,
+            "max_revoking": n.max_revoking,
+            "sessions": n.sessions,
+            "unowned": n.unowned,
+            "revoking": n.revoking,
+            "maintenance": n.maintenance,
+        })
+    };
+    let table = |list: &[proto::NamespaceInfo]| Table {
+        header: headers.to_vec(),
+        rows: list.iter().map(info_row).collect(),
+        json: json!({ "namespaces": list.iter().map(info_json).collect::<Vec<_>>() }),
+    };
+    match command {
+        NamespaceCommand::List => {
+            let listed = operator(client, proto::ListNamespacesRequest {}, |mut c, r| async move {
+                c.list_namespaces(r).await
+            })
+            .await?;
+            Ok(table(&listed.namespaces))
+        }
+        NamespaceCommand::Create { name, partitions, lease_ttl_ms, max_revoking } => {
+            let request = proto::CreateNamespaceRequest {
+                name,
+                partition_count: partitions,
+                lease_ttl_ms,
+                max_revoking,
+            };
+            let created =
+                operator(client, request, |mut c, r| async move { c.create_namespace(r).await }).await?;
+            Ok(table(&[created]))
+        }
+        NamespaceCommand::Delete { name } => {
+            let request = proto::DeleteNamespaceRequest { name: name.clone() };
+            let deleted =
+                operator(client, request, |mut c, r| async move { c.delete_namespace(r).await }).await?;
+            Ok(Table {
+                header: vec!["DELETED", "PARTITIONS"],
+                rows: vec![vec![name.clone(), deleted.partitions.to_string()]],
+                json: json!({ "deleted": name, "partitions": deleted.partitions }),
+            })
+        }
+    }
 }
 
 async fn member(client: &Client, command: MemberCommand) -> Result<Table> {
@@ -678,13 +773,17 @@ async fn endpoint_health(endpoints: &[String], tls: Option<&tenure::worker::Clie
 /// a node stopping) ctl opens another and prints what differs from the routes it knew, so
 /// nothing committed in between is missed, though changes in between are reported once, as
 /// their outcome.
-async fn watch(client: &Client, json: bool, max_events: Option<u64>) -> Result<()> {
+async fn watch(client: &Client, namespace: &str, json: bool, max_events: Option<u64>) -> Result<()> {
+    let request = proto::RoutesRequest { namespace: namespace.to_string() };
     let mut known: BTreeMap<u32, (u64, u64, bool)> = BTreeMap::new();
     let mut printed = 0u64;
     let mut reconnects = 0u32;
     loop {
         let mut stream = client
-            .call(|mut c| async move { c.routes(proto::RoutesRequest {}).await })
+            .call(|mut c| {
+                let request = request.clone();
+                async move { c.routes(request).await }
+            })
             .await
             .context("opening the route stream")?;
         let mut baseline: Option<u32> = None;

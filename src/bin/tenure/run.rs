@@ -29,6 +29,9 @@ pub struct RunArgs {
     /// The worker's stable name.
     #[arg(long, env = "TENURE_WORKER")]
     name: String,
+    /// The namespace (job) to join; the cluster's `default` one if not given.
+    #[arg(long, env = "TENURE_NAMESPACE", default_value = "")]
+    namespace: String,
     /// The worker's share of partitions relative to others.
     #[arg(long, default_value_t = 1)]
     weight: u32,
@@ -58,6 +61,7 @@ pub async fn run(args: RunArgs) -> Result<()> {
     let program = executable(program)?;
     let mut config = WorkerConfig::new(args.coordinators, args.name.clone());
     config.weight = args.weight;
+    config.namespace = args.namespace.clone();
     config.tls = args.tls.load()?;
     let restart = Duration::from_millis(args.restart_ms.max(1));
     let runner = Runner::new(config)

@@ -4,7 +4,7 @@
 use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::{FencingToken, PartitionId, SessionId};
 use crate::ownership::{
-    check_join, Command, Event, Namespace, Rejection, Response as SmResponse, SecretHash,
+    check_join, Command, Event, Namespace, Proposal, Rejection, Response as SmResponse, SecretHash,
 };
 use crate::proto::{self, coordinator_server::Coordinator, ownership_event::Kind};
 use crate::store::Delivery;
@@ -46,6 +46,21 @@ fn authorize_session(
     caller.may_act_as(&record.name).map_err(CoordinatorError::NotAllowed)
 }
 
+/// The namespace a request names: empty means the default one.
+pub(crate) fn namespace_of(name: &str) -> Result<Namespace, CoordinatorError> {
+    Namespace::or_default(name).map_err(CoordinatorError::Rejected)
+}
+
+/// The applied table of `namespace`, or `UnknownNamespace`.
+pub(crate) fn table_of<'a>(
+    applied: &'a crate::store::Applied,
+    namespace: &Namespace,
+) -> Result<&'a crate::ownership::OwnershipState, CoordinatorError> {
+    applied
+        .table(namespace)
+        .ok_or_else(|| CoordinatorError::Rejected(Rejection::UnknownNamespace(namespace.to_string())))
+}
+
 fn new_secret() -> String {
     let mut bytes = [0u8; 16];
     rand::rng().fill_bytes(&mut bytes);
@@ -53,16 +68,26 @@ fn new_secret() -> String {
 }
 
 impl CoordinatorService {
-    fn event_for(&self, kind: Kind, partition: PartitionId, token: u64, index: u64) -> proto::OwnershipEvent {
+    fn event_for(
+        &self,
+        namespace: &Namespace,
+        kind: Kind,
+        partition: PartitionId,
+        token: u64,
+        index: u64,
+    ) -> proto::OwnershipEvent {
         let applied = self.node.state.read().expect("state lock poisoned");
-        let range = applied.default_table().keyspace().and_then(|k| k.range(partition));
+        // A namespace deleted since has no range to give; its session has ended, and the stream
+        // ends with it.
+        let table = applied.table(namespace);
+        let range = table.and_then(|t| t.keyspace()).and_then(|k| k.range(partition));
         proto::OwnershipEvent {
             kind: kind as i32,
             partition: partition.0,
             token,
             hash_start: range.map(|r| r.start).unwrap_or(0),
             hash_end: range.map(|r| r.end).unwrap_or(0),
-            lease_ttl_ms: applied.default_table().config().map(|c| c.lease_ttl_ms).unwrap_or(0),
+            lease_ttl_ms: table.and_then(|t| t.config()).map(|c| c.lease_ttl_ms).unwrap_or(0),
             log_index: index,
         }
     }
@@ -193,22 +218,25 @@ async fn renew(
     received: Instant,
 ) -> Result<Renewed, Status> {
     check_secret(&req.secret)?;
+    let namespace = namespace_of(&req.namespace)?;
     node.ensure_leader()?;
     let session = SessionId(req.session_id);
     // Hashed once, before any lock: the batch checks it again under the state's read lock.
     let secret = SecretHash::of(&req.secret);
     {
         let applied = node.state.read().expect("state lock poisoned");
-        authorize_session(applied.default_table(), caller, session, &secret)?;
+        authorize_session(table_of(&applied, &namespace)?, caller, session, &secret)?;
     }
     // A lease that already ran out is refused here, without spending a quorum round on it.
-    if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
-        if !leadership.table.renewable(session, received) {
+    if let Some(leases) =
+        node.leases.lock().expect("lease lock poisoned").as_ref().and_then(|l| l.table(&namespace))
+    {
+        if !leases.renewable(session, received) {
             return Err(CoordinatorError::SessionExpired(session).into());
         }
     }
     let (reply, answer) = oneshot::channel();
-    let pending = PendingRenewal { session, secret, received, reply };
+    let pending = PendingRenewal { namespace, session, secret, received, reply };
     node.renewals
         .send(pending)
         .await
@@ -259,6 +287,7 @@ impl Coordinator for CoordinatorService {
     async fn join(&self, req: Request<proto::JoinRequest>) -> Result<Response<proto::JoinResponse>, Status> {
         let caller = Caller::of(&req);
         let req = req.into_inner();
+        let namespace = namespace_of(&req.namespace)?;
         self.node.ensure_leader()?;
         let weight = if req.weight == 0 { 1 } else { req.weight };
         check_join(&req.name, weight).map_err(CoordinatorError::Rejected)?;
@@ -267,25 +296,27 @@ impl Coordinator for CoordinatorService {
         caller.may_act_as(&req.name).map_err(CoordinatorError::NotAllowed)?;
         let (has_session, live_names) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let live = applied.default_table().sessions().values().filter(|r| !r.leaving);
-            let (mut has, mut count) = (false, 0);
-            for record in live {
-                has |= record.name == req.name;
-                count += 1;
-            }
-            (has, count)
+            let table = table_of(&applied, &namespace)?;
+            let has = table.sessions().values().any(|r| !r.leaving && r.name == req.name);
+            // The session cap is the cluster's: every namespace's sessions count toward it.
+            let live =
+                applied.namespaces.iter().map(|(_, t)| t.sessions().values().filter(|r| !r.leaving).count());
+            (has, live.sum())
         };
         // Held until the join is applied or fails: joins in flight count against the cap.
+        // Keyed by namespace and name (a name holds one session per namespace); the rate and
+        // the cap are the cluster's.
+        let key = format!("{namespace}/{}", req.name);
         let _admitted =
-            self.node.admission.admit(&req.name, has_session, live_names, std::time::Instant::now())?;
+            self.node.admission.admit(&key, has_session, live_names, std::time::Instant::now())?;
         // The secret goes to the worker in this answer and nowhere else; the log, every
         // replica's table and every snapshot keep only its hash.
         let secret = new_secret();
         let command = Command::Join { name: req.name, weight, secret: SecretHash::of(&secret) };
-        match self.node.propose(command).await? {
+        match self.node.propose_entry(Proposal::to(&namespace, command)).await? {
             SmResponse::Joined { session, .. } => {
                 let applied = self.node.state.read().expect("state lock poisoned");
-                let config = applied.default_table().config();
+                let config = applied.table(&namespace).and_then(|t| t.config());
                 Ok(Response::new(proto::JoinResponse {
                     session_id: session.0,
                     secret,
@@ -316,12 +347,17 @@ impl Coordinator for CoordinatorService {
     ) -> Result<Response<HeartbeatsStream>, Status> {
         self.node.ensure_leader()?;
         let permit = self.node.stream_permit(true, &Caller::of(&req))?;
-        // Two of the cluster's TTLs (which win over this node's own setting): a stream silent
-        // that long belongs to a session that has expired anyway.
+        // Two of the longest TTL any namespace has (which wins over this node's own setting):
+        // a stream silent that long belongs to a session that has expired anyway. The stream
+        // names its namespace only in its messages, so the longest is the one that is safe.
         let idle = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let ttl =
-                applied.default_table().config().map(|c| std::time::Duration::from_millis(c.lease_ttl_ms));
+            let ttl = applied
+                .namespaces
+                .iter()
+                .filter_map(|(_, t)| t.config())
+                .map(|c| std::time::Duration::from_millis(c.ttl_ceiling_ms().max(c.lease_ttl_ms)))
+                .max();
             ttl.unwrap_or(self.node.config.lease_ttl) * 2
         };
         let caller = Caller::of(&req);
@@ -376,12 +412,14 @@ impl Coordinator for CoordinatorService {
             let why = format!("{} tokens for {} partitions", req.tokens.len(), req.partitions.len());
             return Err(CoordinatorError::InvalidArgument(why).into());
         }
+        let namespace = namespace_of(&req.namespace)?;
         self.node.ensure_leader()?;
         let count = {
             let applied = self.node.state.read().expect("state lock poisoned");
+            let table = table_of(&applied, &namespace)?;
             let secret = SecretHash::of(&req.secret);
-            authorize_session(applied.default_table(), &caller, SessionId(req.session_id), &secret)?;
-            applied.default_table().config().map(|c| c.partition_count).unwrap_or(0)
+            authorize_session(table, &caller, SessionId(req.session_id), &secret)?;
+            table.config().map(|c| c.partition_count).unwrap_or(0)
         };
         if let Some(&bad) = req.partitions.iter().find(|&&p| p >= count) {
             return Err(
@@ -401,7 +439,7 @@ impl Coordinator for CoordinatorService {
                 tokens: req.tokens.into_iter().map(FencingToken).collect(),
             }
         };
-        match self.node.propose(command).await? {
+        match self.node.propose_entry(Proposal::to(&namespace, command)).await? {
             SmResponse::Released { partitions } => Ok(Response::new(proto::ReleaseResponse {
                 released: partitions.into_iter().map(|p| p.0).collect(),
             })),
@@ -416,15 +454,16 @@ impl Coordinator for CoordinatorService {
         let caller = Caller::of(&req);
         let req = req.into_inner();
         check_secret(&req.secret)?;
+        let namespace = namespace_of(&req.namespace)?;
         self.node.ensure_leader()?;
         {
             let applied = self.node.state.read().expect("state lock poisoned");
             let secret = SecretHash::of(&req.secret);
-            authorize_session(applied.default_table(), &caller, SessionId(req.session_id), &secret)?;
+            authorize_session(table_of(&applied, &namespace)?, &caller, SessionId(req.session_id), &secret)?;
         }
         let leave =
             Command::Leave { session: SessionId(req.session_id), secret: SecretHash::of(&req.secret) };
-        self.node.propose(leave).await?;
+        self.node.propose_entry(Proposal::to(&namespace, leave)).await?;
         Ok(Response::new(proto::LeaveResponse {}))
     }
 
@@ -434,16 +473,18 @@ impl Coordinator for CoordinatorService {
         let caller = Caller::of(&req);
         let req = req.into_inner();
         check_secret(&req.secret)?;
+        let namespace = namespace_of(&req.namespace)?;
         self.node.ensure_leader()?;
         let session = SessionId(req.session_id);
         // Subscribe before reading the snapshot, so nothing falls between the two. Only the
         // entries that name this session reach the stream (see `store::SessionFanOut`).
-        let mut events = self.node.sm.subscribe_session(&Namespace::default_namespace(), session);
+        let mut events = self.node.sm.subscribe_session(&namespace, session);
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            authorize_session(applied.default_table(), &caller, session, &SecretHash::of(&req.secret))?;
+            let table = table_of(&applied, &namespace)?;
+            authorize_session(table, &caller, session, &SecretHash::of(&req.secret))?;
             let index = applied.last_applied.map(|l| l.index).unwrap_or(0);
-            (applied.default_table().owned_by(session), index)
+            (table.owned_by(session), index)
         };
         let permit = self.node.stream_permit(false, &caller)?;
         let (tx, rx) = mpsc::channel(1024);
@@ -454,7 +495,7 @@ impl Coordinator for CoordinatorService {
                 let kind = if record.revoking { Kind::Revoking } else { Kind::Granted };
                 if !send_or_stop(
                     &tx,
-                    Ok(service.event_for(kind, partition, record.token.0, from_index)),
+                    Ok(service.event_for(&namespace, kind, partition, record.token.0, from_index)),
                     &service.node.stopping,
                 )
                 .await
@@ -489,30 +530,28 @@ impl Coordinator for CoordinatorService {
                     continue;
                 }
                 for event in &applied.events {
-                    let out = match *event {
-                        Event::Granted { partition, session: s, token } if s == session => {
-                            service.event_for(Kind::Granted, partition, token.0, applied.index)
-                        }
-                        Event::Revoking { partition, session: s, token } if s == session => {
-                            service.event_for(Kind::Revoking, partition, token.0, applied.index)
-                        }
-                        Event::Lost { partition, session: s, token, .. } if s == session => {
-                            service.event_for(Kind::Lost, partition, token.0, applied.index)
-                        }
-                        Event::Released { partition, session: s, token } if s == session => {
-                            service.event_for(Kind::Released, partition, token.0, applied.index)
-                        }
-                        Event::SessionEnded { session: s } if s == session => {
-                            send_or_stop(
-                                &tx,
-                                Err(Status::not_found(format!("session {session} ended"))),
-                                &service.node.stopping,
-                            )
-                            .await;
-                            return;
-                        }
-                        _ => continue,
-                    };
+                    let out =
+                        match *event {
+                            Event::Granted { partition, session: s, token } if s == session => service
+                                .event_for(&namespace, Kind::Granted, partition, token.0, applied.index),
+                            Event::Revoking { partition, session: s, token } if s == session => service
+                                .event_for(&namespace, Kind::Revoking, partition, token.0, applied.index),
+                            Event::Lost { partition, session: s, token, .. } if s == session => {
+                                service.event_for(&namespace, Kind::Lost, partition, token.0, applied.index)
+                            }
+                            Event::Released { partition, session: s, token } if s == session => service
+                                .event_for(&namespace, Kind::Released, partition, token.0, applied.index),
+                            Event::SessionEnded { session: s } if s == session => {
+                                send_or_stop(
+                                    &tx,
+                                    Err(Status::not_found(format!("session {session} ended"))),
+                                    &service.node.stopping,
+                                )
+                                .await;
+                                return;
+                            }
+                            _ => continue,
+                        };
                     if !send_or_stop(&tx, Ok(out), &service.node.stopping).await {
                         return; // the worker hung up
                     }
@@ -525,14 +564,15 @@ impl Coordinator for CoordinatorService {
     type RoutesStream = RoutesStream;
 
     async fn routes(&self, req: Request<proto::RoutesRequest>) -> Result<Response<RoutesStream>, Status> {
+        let namespace = namespace_of(&req.get_ref().namespace)?;
         self.node.ensure_leader()?;
         let permit = self.node.stream_permit(false, &Caller::of(&req))?;
         let mut events = self.node.sm.subscribe();
         let (initial, from_index) = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let rows: Vec<proto::RouteUpdate> = (0..applied.default_table().partitions().len() as u32)
-                .map(|p| route_of(applied.default_table(), PartitionId(p)))
-                .collect();
+            let table = table_of(&applied, &namespace)?;
+            let rows: Vec<proto::RouteUpdate> =
+                (0..table.partitions().len() as u32).map(|p| route_of(table, PartitionId(p))).collect();
             (rows, applied.last_applied.map(|l| l.index).unwrap_or(0))
         };
         let (tx, rx) = mpsc::channel(1024);
@@ -566,17 +606,24 @@ impl Coordinator for CoordinatorService {
                         return;
                     }
                 };
-                if applied.index <= from_index || !applied.namespace.is_default() {
+                if applied.index <= from_index || applied.namespace != namespace {
                     continue;
                 }
-                let rows: Vec<proto::RouteUpdate> = {
+                let rows: Option<Vec<proto::RouteUpdate>> = {
                     let state = node.state.read().expect("state lock poisoned");
-                    applied
-                        .events
-                        .iter()
-                        .filter_map(|e| e.ownership())
-                        .map(|(p, _)| route_of(state.default_table(), p))
-                        .collect()
+                    state.table(&namespace).map(|table| {
+                        applied
+                            .events
+                            .iter()
+                            .filter_map(|e| e.ownership())
+                            .map(|(p, _)| route_of(table, p))
+                            .collect()
+                    })
+                };
+                let Some(rows) = rows else {
+                    let gone = CoordinatorError::Rejected(Rejection::UnknownNamespace(namespace.to_string()));
+                    send_or_stop(&tx, Err(gone.into()), &node.stopping).await;
+                    return;
                 };
                 for row in rows {
                     if !send_or_stop(&tx, Ok(row), &node.stopping).await {
@@ -593,17 +640,22 @@ impl Coordinator for CoordinatorService {
         req: Request<proto::StatusRequest>,
     ) -> Result<Response<proto::StatusResponse>, Status> {
         let req = req.into_inner();
+        let namespace = namespace_of(&req.namespace)?;
         if req.linearizable {
             self.node.ensure_leader()?;
             self.node.read_linearizably().await?;
         }
-        Ok(Response::new(status_of(&self.node, &req)))
+        Ok(Response::new(status_of(&self.node, &namespace, &req)?))
     }
 }
 
 /// What `Status` answers, read from this node's applied state (and, on the leader, its lease
 /// table): the state first, then the leases, never both locks at once.
-pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::StatusResponse {
+pub(crate) fn status_of(
+    node: &Node,
+    namespace: &Namespace,
+    req: &proto::StatusRequest,
+) -> Result<proto::StatusResponse, CoordinatorError> {
     let limit = match req.limit {
         0 => STATUS_ROWS_PER_PAGE,
         n => n.min(STATUS_ROWS_PER_PAGE),
@@ -613,11 +665,16 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
     // Read before the state: the lease table follows the applied entries, so every move it
     // counts is granted already in the state read below, and a hand-over applied between the two
     // reads is not counted both as revoking and as unconfirmed.
-    let unconfirmed_moves =
-        node.leases.lock().expect("lease lock poisoned").as_ref().map(|l| l.table.unconfirmed_moves() as u32);
+    // A leader that has no table for the namespace yet has seen nothing move in it this term.
+    let unconfirmed_moves = node
+        .leases
+        .lock()
+        .expect("lease lock poisoned")
+        .as_ref()
+        .map(|l| l.table(namespace).map_or(0, |t| t.unconfirmed_moves() as u32));
     let mut answer = {
         let applied = node.state.read().expect("state lock poisoned");
-        let state = applied.default_table();
+        let state = table_of(&applied, namespace)?;
         let nodes: Vec<proto::Node> = applied
             .membership
             .membership()
@@ -698,25 +755,28 @@ pub(crate) fn status_of(node: &Node, req: &proto::StatusRequest) -> proto::Statu
             max_revoking: config.and_then(|c| c.max_revoking),
             lease_ttl_ceiling_ms: config.filter(|c| c.ttl_change.is_some()).map_or(0, |c| c.ttl_ceiling_ms()),
             unconfirmed_moves,
+            namespace: namespace.to_string(),
         }
     };
     // The leader's clock: only the node that judges leases can say how long they have left.
-    if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_ref() {
+    if let Some(table) =
+        node.leases.lock().expect("lease lock poisoned").as_ref().and_then(|l| l.table(namespace))
+    {
         let now = Instant::now();
         let millis = |d: std::time::Duration| d.as_millis() as u64;
         for s in &mut answer.sessions {
-            s.lease_remaining_ms = leadership.table.session_remaining(SessionId(s.id), now).map(millis);
+            s.lease_remaining_ms = table.session_remaining(SessionId(s.id), now).map(millis);
         }
         for row in answer.partitions.iter_mut().filter(|r| r.owner != 0) {
             row.lease_remaining_ms = if row.revoking {
-                leadership.table.revoke_remaining(PartitionId(row.partition), now)
+                table.revoke_remaining(PartitionId(row.partition), now)
             } else {
-                leadership.table.session_remaining(SessionId(row.owner), now)
+                table.session_remaining(SessionId(row.owner), now)
             }
             .map(millis);
         }
     }
-    answer
+    Ok(answer)
 }
 
 #[cfg(test)]

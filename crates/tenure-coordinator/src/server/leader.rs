@@ -1,11 +1,13 @@
 //! The leader's duties: configure a new cluster, decide placement and propose it, keep the
 //! lease table, propose expiries, and acknowledge renewals in batches after a quorum round.
 
+use super::leadership::Leadership;
 use super::{CoordinatorError, Node, PendingRenewal};
 use crate::ids::SessionId;
-use crate::lease::{Due, LeaseTable};
-use crate::ownership::{Command, Event};
+use crate::lease::Due;
+use crate::ownership::{Command, Event, Namespace, Proposal};
 use crate::store::AppliedEvent;
+use futures::stream::{FuturesUnordered, StreamExt};
 use openraft::ServerState;
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
@@ -18,15 +20,8 @@ use tokio_util::sync::CancellationToken;
 /// Most renewals answered by one quorum round.
 const MAX_RENEWAL_BATCH: usize = 16384;
 
-/// The lease table of one term of this node's leadership. Renewals and expiries act on it only
-/// while the node still leads in that term: a table left over from an earlier term (the node
-/// lost and regained leadership before its duty loop noticed) knows nothing of the renewals
-/// another leader acknowledged in between, and would expire sessions early.
-pub(crate) struct Leadership {
-    pub term: u64,
-    /// On the replicated TTL (see [`LeaseTable::for_new_term`]).
-    pub table: LeaseTable,
-}
+/// A placement decision being proposed, which says its namespace when it is done.
+type Placing = Pin<Box<dyn Future<Output = Namespace> + Send>>;
 
 /// Follows leadership, applied events and the clock; proposes configuration and expiries.
 ///
@@ -35,6 +30,9 @@ pub(crate) struct Leadership {
 /// cut off in a minority) cannot keep this loop from following applied events or noticing that
 /// leadership moved. (A future polled here, not a spawned task: the whole-stack simulation
 /// replays a seed exactly only if no task's scheduling depends on the process.)
+///
+/// Placement is decided per namespace, each with at most one decision in flight: a namespace
+/// whose decisions are large or slow to commit (a join storm) does not hold back another's.
 pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     let mut metrics = node.raft.metrics();
     let mut events = node.sm.subscribe();
@@ -45,21 +43,31 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     // is applied, so one at a time is enough and a failed one is retried on a later tick.
     // Dropping it (on a leadership change) abandons the wait, not the entry.
     let mut proposing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
-    // The placement decision in flight, if any, and whether the table changed since the last
-    // decision was made. One at a time: the next is made on the table the previous one left.
-    let mut placing: Option<Pin<Box<dyn Future<Output = ()> + Send>>> = None;
-    let mut replan = false;
+    // The placement decisions in flight (one per namespace at most), and the namespaces whose
+    // table changed since their last decision was made. One at a time per namespace: the next
+    // is made on the table the previous one left.
+    let mut placing: FuturesUnordered<Placing> = FuturesUnordered::new();
+    let mut in_flight: BTreeSet<Namespace> = BTreeSet::new();
+    let mut replan: BTreeSet<Namespace> = BTreeSet::new();
     loop {
         if node.draining.is_cancelled() {
             // A stopping node decides nothing more (see the handover module); whatever is in
             // flight is left to the log.
             proposing = None;
-            placing = None;
-            replan = false;
+            placing.clear();
+            in_flight.clear();
+            replan.clear();
         }
-        if replan && placing.is_none() && leading_term.is_some() {
-            replan = false;
-            placing = next_placement(&node).map(|f| Box::pin(f) as Pin<Box<dyn Future<Output = ()> + Send>>);
+        if leading_term.is_some() {
+            let ready: Vec<Namespace> =
+                replan.iter().filter(|ns| !in_flight.contains(*ns)).cloned().collect();
+            for namespace in ready {
+                replan.remove(&namespace);
+                if let Some(decision) = next_placement(&node, &namespace) {
+                    in_flight.insert(namespace);
+                    placing.push(Box::pin(decision));
+                }
+            }
         }
         tokio::select! {
             _ = cancel.cancelled() => return,
@@ -73,16 +81,18 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     (true, Some(term)) if term == m.current_term => {}
                     (true, _) => {
                         proposing = None;
-                        placing = None;
-                        replan = true;
+                        placing.clear();
+                        in_flight.clear();
                         leading_term = Some(m.current_term);
                         // Nothing is expired before this node has applied as far as its log
                         // reached now (see `LeaseTable::hold_until_applied`).
-                        become_leader(&node, m.current_term, m.last_log_index.unwrap_or(0));
+                        replan = become_leader(&node, m.current_term, m.last_log_index.unwrap_or(0));
                     }
                     (false, Some(_)) => {
                         proposing = None;
-                        placing = None;
+                        placing.clear();
+                        in_flight.clear();
+                        replan.clear();
                         leading_term = None;
                         *node.leases.lock().expect("lease lock poisoned") = None;
                         tracing::info!(node = node.config.id, "no longer the leader");
@@ -93,15 +103,19 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
             received = events.recv() => match received {
                 Ok(applied) => {
                     observe(&node, &applied);
-                    replan = true;
+                    if leading_term.is_some() {
+                        replan.insert(applied.namespace.clone());
+                    }
                 }
                 Err(broadcast::error::RecvError::Lagged(n)) => {
                     // Missed events: start every lease over from now, which can only delay expiry.
                     tracing::warn!(missed = n, "lease table fell behind the applied events; resetting");
-                    replan = true;
                     let state = node.state.read().expect("state lock poisoned");
                     if let Some(leadership) = node.leases.lock().expect("lease lock poisoned").as_mut() {
-                        leadership.table.reset(Instant::now(), state.default_table());
+                        leadership.reset(Instant::now(), &state);
+                    }
+                    if leading_term.is_some() {
+                        replan.extend(state.namespaces.iter().map(|(ns, _)| ns.clone()));
                     }
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
@@ -110,26 +124,41 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                 proposing = None;
             }
             _ = node.moves_confirmed.notified() => {
-                replan = true;
+                // Confirmations free revoke budget; only a namespace with a budget gains by it.
+                if leading_term.is_some() {
+                    let state = node.state.read().expect("state lock poisoned");
+                    let budgeted = state
+                        .namespaces
+                        .iter()
+                        .filter(|(_, t)| t.config().is_some_and(|c| c.max_revoking.is_some()));
+                    replan.extend(budgeted.map(|(ns, _)| ns.clone()));
+                }
             }
-            _ = async { placing.as_mut().expect("guarded").await }, if placing.is_some() => {
+            Some(namespace) = placing.next(), if !placing.is_empty() => {
                 // Whatever came of it (applied, refused as stale, not committed), decide again
                 // on the table as it is now.
-                placing = None;
-                replan = true;
+                in_flight.remove(&namespace);
+                replan.insert(namespace);
             }
             _ = tick.tick() => {
                 if proposing.is_some() || node.draining.is_cancelled() {
                     continue;
                 }
-                let applied = node.state.read().expect("state lock poisoned").last_applied.map_or(0, |l| l.index);
-                let due = match node.leases.lock().expect("lease lock poisoned").as_mut() {
+                let applied = node.state.read().expect("state lock poisoned");
+                let index = applied.last_applied.map_or(0, |l| l.index);
+                let now = Instant::now();
+                let due: Vec<(Namespace, Due)> = match node.leases.lock().expect("lease lock poisoned").as_mut() {
                     Some(leadership) if Some(leadership.term) == leading_term => {
-                        leadership.table.applied(applied);
-                        leadership.table.due(Instant::now())
+                        leadership.applied(index);
+                        leadership
+                            .tables_mut()
+                            .map(|(ns, table)| (ns.clone(), table.due(now)))
+                            .filter(|(_, due)| !due.is_empty())
+                            .collect()
                     }
                     _ => continue,
                 };
+                drop(applied);
                 if !due.is_empty() {
                     proposing = Some(Box::pin(propose_expiries(node.clone(), due)));
                 }
@@ -138,42 +167,49 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
     }
 }
 
-/// The next placement decision and the future that proposes it, if the table needs one.
-/// Decided on the applied table under the read lock; proposed without it, one command after
-/// another, stopping at the first that is not applied (the table changed: decide again).
-fn next_placement(node: &Arc<Node>) -> Option<impl Future<Output = ()> + Send + 'static> {
+/// The next placement decision for `namespace` and the future that proposes it, if its table
+/// needs one. Decided on the applied table under the read lock; proposed without it, one
+/// command after another, stopping at the first that is not applied (the table changed: decide
+/// again). The future ends with the namespace's name.
+fn next_placement(
+    node: &Arc<Node>,
+    namespace: &Namespace,
+) -> Option<impl Future<Output = Namespace> + Send + 'static> {
     let commands = {
         let applied = node.state.read().expect("state lock poisoned");
+        let table = applied.table(namespace)?;
         // Moves granted but not yet confirmed by their new owner are still in motion.
         let unconfirmed = node
             .leases
             .lock()
             .expect("lease lock poisoned")
-            .as_ref()
-            .map_or(0, |l| l.table.unconfirmed_moves());
-        crate::planner::plan_all_in_motion(applied.default_table(), &node.config.placement, unconfirmed)
+            .as_mut()
+            .map_or(0, |l| l.table_mut(Instant::now(), namespace, table).unconfirmed_moves());
+        crate::planner::plan_all_in_motion(table, &node.config.placement, unconfirmed)
     };
     if commands.is_empty() {
         return None;
     }
     let node = node.clone();
+    let namespace = namespace.clone();
     Some(async move {
         for command in commands {
             if let Command::Place { grants, revokes } = &command {
-                tracing::debug!(grants = grants.len(), revokes = revokes.len(), "proposing placement");
+                tracing::debug!(%namespace, grants = grants.len(), revokes = revokes.len(), "proposing placement");
             }
-            match node.propose(command).await {
+            match node.propose_entry(Proposal::to(&namespace, command)).await {
                 Ok(_) => {}
                 Err(CoordinatorError::Rejected(r)) => {
-                    tracing::debug!(reason = %r, "placement refused; deciding again");
-                    return;
+                    tracing::debug!(%namespace, reason = %r, "placement refused; deciding again");
+                    break;
                 }
                 Err(e) => {
-                    tracing::warn!(error = %e, "could not propose placement");
-                    return;
+                    tracing::warn!(%namespace, error = %e, "could not propose placement");
+                    break;
                 }
             }
         }
+        namespace
     })
 }
 
@@ -185,37 +221,40 @@ pub(crate) struct RenewedLeases {
     pub ttl: std::time::Duration,
 }
 
-async fn propose_expiries(node: Arc<Node>, due: Due) {
-    if !due.sessions.is_empty() {
-        tracing::info!(sessions = ?due.sessions, "session leases expired");
-        if let Err(e) = node.propose(Command::Expire { sessions: due.sessions }).await {
-            tracing::warn!(error = %e, "could not propose session expiry");
+async fn propose_expiries(node: Arc<Node>, due: Vec<(Namespace, Due)>) {
+    for (namespace, due) in due {
+        let propose = |command| node.propose_entry(Proposal::to(&namespace, command));
+        if !due.sessions.is_empty() {
+            tracing::info!(%namespace, sessions = ?due.sessions, "session leases expired");
+            if let Err(e) = propose(Command::Expire { sessions: due.sessions }).await {
+                tracing::warn!(%namespace, error = %e, "could not propose session expiry");
+            }
         }
-    }
-    if !due.revoking.is_empty() {
-        tracing::info!(partitions = due.revoking.len(), "revoking leases expired");
-        if let Err(e) = node.propose(Command::ExpireRevoking { partitions: due.revoking }).await {
-            tracing::warn!(error = %e, "could not propose revoke expiry");
+        if !due.revoking.is_empty() {
+            tracing::info!(%namespace, partitions = due.revoking.len(), "revoking leases expired");
+            if let Err(e) = propose(Command::ExpireRevoking { partitions: due.revoking }).await {
+                tracing::warn!(%namespace, error = %e, "could not propose revoke expiry");
+            }
         }
-    }
-    if let Some(changed_at) = due.settle {
-        tracing::info!(changed_at, "every lease granted before the lease TTL change has run out");
-        if let Err(e) = node.propose(Command::SettleLeaseTtl { changed_at }).await {
-            tracing::warn!(error = %e, "could not settle the lease TTL change");
+        if let Some(changed_at) = due.settle {
+            tracing::info!(%namespace, changed_at, "every lease granted before the lease TTL change has run out");
+            if let Err(e) = propose(Command::SettleLeaseTtl { changed_at }).await {
+                tracing::warn!(%namespace, error = %e, "could not settle the lease TTL change");
+            }
         }
     }
 }
 
-/// Starts a term of leadership: a fresh lease table, judged by the cluster's TTL.
-fn become_leader(node: &Arc<Node>, term: u64, last_log_index: u64) {
-    let configured = {
+/// Starts a term of leadership: a fresh lease table per namespace, each judged by its
+/// namespace's TTL. Returns the namespaces to decide placement for.
+fn become_leader(node: &Arc<Node>, term: u64, last_log_index: u64) -> BTreeSet<Namespace> {
+    let (configured, namespaces) = {
         let applied = node.state.read().expect("state lock poisoned");
-        let mut table =
-            LeaseTable::for_new_term(Instant::now(), applied.default_table(), node.config.lease_ttl);
-        table.hold_until_applied(last_log_index);
-        table.applied(applied.last_applied.map_or(0, |l| l.index));
-        *node.leases.lock().expect("lease lock poisoned") = Some(Leadership { term, table });
-        applied.default_table().config()
+        let leadership =
+            Leadership::new(term, Instant::now(), &applied, node.config.lease_ttl, last_log_index);
+        *node.leases.lock().expect("lease lock poisoned") = Some(leadership);
+        let namespaces = applied.namespaces.iter().map(|(ns, _)| ns.clone()).collect();
+        (applied.default_table().config(), namespaces)
     };
     tracing::info!(node = node.config.id, term, "became the leader; every lease runs one TTL from now");
     match configured {
@@ -239,6 +278,7 @@ fn become_leader(node: &Arc<Node>, term: u64, last_log_index: u64) {
             }
         }
     }
+    namespaces
 }
 
 /// Says how a node's own settings differ from the cluster's configuration, which wins.
@@ -295,26 +335,31 @@ fn observe(node: &Node, applied: &AppliedEvent) {
     for (name, n) in names.into_iter().zip(counts).filter(|(_, n)| *n > 0) {
         metrics::counter!(name, "node" => id.clone()).increment(n);
     }
-    // The lease table keeps the default namespace's leases only: no other namespace is served
-    // yet.
-    if !applied.namespace.is_default() {
-        return;
-    }
     // The state is read before the lease lock is taken, as everywhere else.
-    let config = node.state.read().expect("state lock poisoned").default_table().config();
+    let state = node.state.read().expect("state lock poisoned");
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
-        if leadership.table.follow(config) {
-            tracing::info!(
-                ttl_ms = leadership.table.ttl().as_millis() as u64,
-                "renewals follow the cluster's lease TTL"
-            );
-        }
-        for latency in leadership.table.observe(Instant::now(), &applied.events) {
-            metrics::histogram!("tenure_move_latency_seconds").record(latency.as_secs_f64());
+        let deleted = applied.events.iter().any(|e| matches!(e, Event::NamespaceDeleted));
+        match state.table(&applied.namespace) {
+            // Deleted (and perhaps created again since, which that entry's events will say):
+            // its leases go with it.
+            _ if deleted => leadership.forget(&applied.namespace),
+            None => leadership.forget(&applied.namespace),
+            Some(table) => {
+                let now = Instant::now();
+                let leases = leadership.table_mut(now, &applied.namespace, table);
+                for latency in leases.observe(now, &applied.events) {
+                    metrics::histogram!("tenure_move_latency_seconds").record(latency.as_secs_f64());
+                }
+            }
         }
     }
     drop(leases);
+    drop(state);
+    // The per-worker gauges are the default namespace's only, as the status page is.
+    if !applied.namespace.is_default() {
+        return;
+    }
     let touched: BTreeSet<SessionId> =
         applied.events.iter().filter_map(|e| e.ownership()).map(|(_, s)| s).collect();
     if !touched.is_empty() {
@@ -410,19 +455,28 @@ pub(crate) async fn run_renewals(
             continue;
         }
         let term = node.current_term();
+        let now = Instant::now();
         let applied = node.state.read().expect("state lock poisoned");
         let mut leases = node.leases.lock().expect("lease lock poisoned");
-        // A renewal may start a session the table has not seen yet (its first heartbeat
-        // overtook the applied join): it must be judged by the cluster's TTL, even if the
-        // duty loop has not yet seen the configuration applied.
-        if let Some(leadership) = leases.as_mut() {
-            leadership.table.follow(applied.default_table().config());
-        }
-        let unconfirmed_before = leases.as_ref().map_or(0, |l| l.table.unconfirmed_moves());
         let mut answers = Vec::with_capacity(batch.len());
-        let mut wanted: HashMap<crate::ids::SessionId, Vec<(u32, u64)>> = HashMap::new();
+        let mut wanted: HashMap<(Namespace, SessionId), Vec<(u32, u64)>> = HashMap::new();
+        let mut freed_budget = false;
         for r in batch {
-            let answer = match applied.default_table().authenticate_hash(r.session, &r.secret) {
+            let table = match applied.table(&r.namespace) {
+                Some(table) => table,
+                None => {
+                    let unknown = crate::ownership::Rejection::UnknownNamespace(r.namespace.to_string());
+                    answers.push((
+                        r.namespace,
+                        r.session,
+                        r.received,
+                        r.reply,
+                        Err(CoordinatorError::Rejected(unknown)),
+                    ));
+                    continue;
+                }
+            };
+            let answer = match table.authenticate_hash(r.session, &r.secret) {
                 Err(rejection) => Err(CoordinatorError::Rejected(rejection)),
                 Ok(_) => match leases.as_mut() {
                     // No table, or one of an earlier term than the one just confirmed.
@@ -433,29 +487,39 @@ pub(crate) async fn run_renewals(
                         .ensure_leader()
                         .err()
                         .unwrap_or(CoordinatorError::Unavailable("leadership is changing; retry".into()))),
-                    Some(Leadership { table, .. }) => {
-                        if let Some(ttl) = table.renew(r.session, r.received) {
-                            node.renewals_confirmed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            wanted.insert(r.session, Vec::new());
-                            Ok(ttl)
-                        } else {
-                            Err(CoordinatorError::SessionExpired(r.session))
+                    Some(leadership) => {
+                        // A renewal may start a session the table has not seen yet (its first
+                        // heartbeat overtook the applied join), or be the first of a namespace
+                        // created since the term began: the table is made and judged by the
+                        // namespace's TTL, even if the duty loop has not seen it applied yet.
+                        let leases = leadership.table_mut(now, &r.namespace, table);
+                        let unconfirmed_before = leases.unconfirmed_moves();
+                        match leases.renew(r.session, r.received) {
+                            Some(ttl) => {
+                                // Only a budget makes a confirmation free anything for the
+                                // next decision.
+                                freed_budget |= leases.unconfirmed_moves() < unconfirmed_before
+                                    && table.config().is_some_and(|c| c.max_revoking.is_some());
+                                node.renewals_confirmed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                wanted.insert((r.namespace.clone(), r.session), Vec::new());
+                                Ok(ttl)
+                            }
+                            None => Err(CoordinatorError::SessionExpired(r.session)),
                         }
                     }
                 },
             };
-            answers.push((r.session, r.received, r.reply, answer));
+            answers.push((r.namespace, r.session, r.received, r.reply, answer));
         }
-        // Only a budget makes a confirmation free anything for the next decision.
-        let budgeted = applied.default_table().config().is_some_and(|c| c.max_revoking.is_some());
-        if budgeted && leases.as_ref().is_some_and(|l| l.table.unconfirmed_moves() < unconfirmed_before) {
+        if freed_budget {
             node.moves_confirmed.notify_one();
         }
         drop(leases);
         // What each renewed session owns, from the owner index: the cost follows what the
         // sessions own, not the size of the table.
-        for (session, list) in wanted.iter_mut() {
-            for (p, record) in applied.default_table().owned_by(*session) {
+        for ((namespace, session), list) in wanted.iter_mut() {
+            let Some(table) = applied.table(namespace) else { continue };
+            for (p, record) in table.owned_by(*session) {
                 if !record.revoking {
                     list.push((p.0, record.token.0));
                 }
@@ -465,13 +529,13 @@ pub(crate) async fn run_renewals(
         // From a renewal's arrival to its answer: the wait for the batch, the quorum round and
         // the owner lookup, as the worker sees it (less the network).
         let latency = metrics::histogram!("tenure_renewal_seconds", "node" => node_label);
-        for (session, received, reply, answer) in answers {
+        for (namespace, session, received, reply, answer) in answers {
             latency.record(received.elapsed().as_secs_f64());
-            let _ =
-                reply.send(answer.map(|ttl| RenewedLeases {
-                    leases: wanted.get(&session).cloned().unwrap_or_default(),
-                    ttl,
-                }));
+            let leases = |ttl| RenewedLeases {
+                leases: wanted.get(&(namespace, session)).cloned().unwrap_or_default(),
+                ttl,
+            };
+            let _ = reply.send(answer.map(leases));
         }
     }
 }

@@ -20,6 +20,7 @@ mod failover;
 mod handover;
 pub mod health;
 mod leader;
+mod leadership;
 pub mod operator;
 mod raft_service;
 pub mod status_page;
@@ -220,6 +221,7 @@ pub enum NodeError {
 
 /// A renewal waiting for the next leadership confirmation round.
 pub(crate) struct PendingRenewal {
+    pub namespace: crate::ownership::Namespace,
     pub session: crate::ids::SessionId,
     pub secret: crate::ownership::SecretHash,
     pub received: tokio::time::Instant,
@@ -257,7 +259,7 @@ pub struct Node {
     pub state: SharedState,
     pub(crate) sm: StateMachineStore,
     /// `Some` only while this node is the leader and has reset the table for its term.
-    pub(crate) leases: Mutex<Option<leader::Leadership>>,
+    pub(crate) leases: Mutex<Option<leadership::Leadership>>,
     pub(crate) renewals: mpsc::Sender<PendingRenewal>,
     /// Renewals this node confirmed while leading, ever (the status page shows their rate).
     pub(crate) renewals_confirmed: std::sync::atomic::AtomicU64,

@@ -9,9 +9,10 @@
 //! Every call needs an operator's certificate (or an insecure cluster); changes need the
 //! leader, and a refused change changes nothing.
 
+use super::coordinator::{namespace_of, table_of};
 use super::{CoordinatorError, Node};
 use crate::ids::{NodeId, PartitionId, SessionId};
-use crate::ownership::{Command, Rejection, Response as SmResponse, SecretHash};
+use crate::ownership::{Command, Namespace, Proposal, Rejection, Response as SmResponse, SecretHash};
 use crate::proto;
 use crate::proto::operator_server::Operator;
 use crate::raft::Member;
@@ -28,6 +29,31 @@ pub const MAX_PROMOTION_LAG: u64 = 64;
 
 pub struct OperatorService {
     pub(crate) node: Arc<Node>,
+}
+
+impl OperatorService {
+    /// The namespace a request names (empty: the default one), which must exist: a change to
+    /// one that does not is refused here rather than as a log entry.
+    fn existing(&self, name: &str) -> Result<Namespace, CoordinatorError> {
+        let namespace = namespace_of(name)?;
+        table_of(&self.node.state.read().expect("state lock poisoned"), &namespace)?;
+        Ok(namespace)
+    }
+}
+
+/// What `ListNamespaces` and `CreateNamespace` say of one namespace.
+fn namespace_info(namespace: &Namespace, table: &crate::ownership::OwnershipState) -> proto::NamespaceInfo {
+    let config = table.config();
+    proto::NamespaceInfo {
+        name: namespace.to_string(),
+        partition_count: config.map_or(0, |c| c.partition_count),
+        lease_ttl_ms: config.map_or(0, |c| c.lease_ttl_ms),
+        max_revoking: config.and_then(|c| c.max_revoking),
+        sessions: table.sessions().values().filter(|r| !r.leaving).count() as u32,
+        unowned: table.unowned_count() as u32,
+        revoking: table.revoking_count() as u32,
+        maintenance: table.maintenance(),
+    }
 }
 
 /// A response of another kind than the command proposed can give: a bug, reported as one.
@@ -177,21 +203,23 @@ impl Operator for OperatorService {
         req: Request<proto::DrainRequest>,
     ) -> Result<Response<proto::DrainResponse>, Status> {
         operators_only(&req)?;
-        let name = req.into_inner().name;
+        let proto::DrainRequest { name, namespace } = req.into_inner();
+        let namespace = namespace_of(&namespace)?;
         self.node.ensure_leader()?;
         // The very command the worker's own leave proposes, under the secret hash the table
         // keeps: an operator's drain takes the same path through apply as a leave.
         let live: Vec<(SessionId, SecretHash)> = {
             let applied = self.node.state.read().expect("state lock poisoned");
-            let state = applied.default_table();
+            let state = table_of(&applied, &namespace)?;
             state.live_sessions_named(&name).filter_map(|s| Some((s, state.session(s)?.secret))).collect()
         };
         if live.is_empty() {
             return Err(CoordinatorError::Rejected(Rejection::UnknownWorker(name)).into());
         }
         for (session, secret) in &live {
-            tracing::info!(worker = %name, %session, "draining at an operator's request");
-            self.node.propose(Command::Leave { session: *session, secret: *secret }).await?;
+            tracing::info!(%namespace, worker = %name, %session, "draining at an operator's request");
+            let leave = Command::Leave { session: *session, secret: *secret };
+            self.node.propose_entry(Proposal::to(&namespace, leave)).await?;
         }
         Ok(Response::new(proto::DrainResponse { sessions: live.iter().map(|(id, _)| id.0).collect() }))
     }
@@ -201,10 +229,11 @@ impl Operator for OperatorService {
         req: Request<proto::SetMaintenanceRequest>,
     ) -> Result<Response<proto::SetMaintenanceResponse>, Status> {
         operators_only(&req)?;
-        let on = req.into_inner().on;
+        let proto::SetMaintenanceRequest { on, namespace } = req.into_inner();
+        let namespace = self.existing(&namespace)?;
         self.node.ensure_leader()?;
-        tracing::info!(on, "maintenance mode set at an operator's request");
-        match self.node.propose(Command::SetMaintenance { on }).await? {
+        tracing::info!(%namespace, on, "maintenance mode set at an operator's request");
+        match self.node.propose_entry(Proposal::to(&namespace, Command::SetMaintenance { on })).await? {
             SmResponse::MaintenanceSet { was } => Ok(Response::new(proto::SetMaintenanceResponse { was })),
             other => Err(unexpected(other)),
         }
@@ -215,12 +244,14 @@ impl Operator for OperatorService {
         req: Request<proto::SetLeaseTtlRequest>,
     ) -> Result<Response<proto::SetLeaseTtlResponse>, Status> {
         operators_only(&req)?;
-        let lease_ttl_ms = req.into_inner().lease_ttl_ms;
+        let proto::SetLeaseTtlRequest { lease_ttl_ms, namespace } = req.into_inner();
+        let namespace = self.existing(&namespace)?;
         self.node.ensure_leader()?;
         // Refused before the log by the very check apply makes.
         crate::ownership::check_lease_ttl(lease_ttl_ms).map_err(CoordinatorError::from)?;
-        tracing::info!(lease_ttl_ms, "lease TTL set at an operator's request");
-        match self.node.propose(Command::SetLeaseTtl { lease_ttl_ms }).await? {
+        tracing::info!(%namespace, lease_ttl_ms, "lease TTL set at an operator's request");
+        match self.node.propose_entry(Proposal::to(&namespace, Command::SetLeaseTtl { lease_ttl_ms })).await?
+        {
             SmResponse::LeaseTtlSet { was_ms } => Ok(Response::new(proto::SetLeaseTtlResponse { was_ms })),
             other => Err(unexpected(other)),
         }
@@ -231,11 +262,13 @@ impl Operator for OperatorService {
         req: Request<proto::SetRevokeBudgetRequest>,
     ) -> Result<Response<proto::SetRevokeBudgetResponse>, Status> {
         operators_only(&req)?;
-        let max_revoking = req.into_inner().max_revoking;
+        let proto::SetRevokeBudgetRequest { max_revoking, namespace } = req.into_inner();
+        let namespace = self.existing(&namespace)?;
         self.node.ensure_leader()?;
         crate::ownership::check_revoke_budget(max_revoking).map_err(CoordinatorError::from)?;
-        tracing::info!(?max_revoking, "revoke budget set at an operator's request");
-        match self.node.propose(Command::SetRevokeBudget { max_revoking }).await? {
+        tracing::info!(%namespace, ?max_revoking, "revoke budget set at an operator's request");
+        let budget = Command::SetRevokeBudget { max_revoking };
+        match self.node.propose_entry(Proposal::to(&namespace, budget)).await? {
             SmResponse::RevokeBudgetSet { was } => Ok(Response::new(proto::SetRevokeBudgetResponse { was })),
             other => Err(unexpected(other)),
         }
@@ -246,18 +279,15 @@ impl Operator for OperatorService {
         req: Request<proto::SetWeightRequest>,
     ) -> Result<Response<proto::SetWeightResponse>, Status> {
         operators_only(&req)?;
-        let proto::SetWeightRequest { name, weight } = req.into_inner();
+        let proto::SetWeightRequest { name, weight, namespace } = req.into_inner();
+        let namespace = namespace_of(&namespace)?;
         self.node.ensure_leader()?;
         // Refused before the log by the very check apply makes.
-        self.node
-            .state
-            .read()
-            .expect("state lock poisoned")
-            .default_table()
+        table_of(&self.node.state.read().expect("state lock poisoned"), &namespace)?
             .check_set_weight(&name, weight)
             .map_err(CoordinatorError::from)?;
-        tracing::info!(worker = %name, weight, "weight set at an operator's request");
-        match self.node.propose(Command::SetWeight { name, weight }).await? {
+        tracing::info!(%namespace, worker = %name, weight, "weight set at an operator's request");
+        match self.node.propose_entry(Proposal::to(&namespace, Command::SetWeight { name, weight })).await? {
             SmResponse::WeightSet { sessions } => Ok(Response::new(proto::SetWeightResponse {
                 sessions: sessions.iter().map(|s| s.0).collect(),
             })),
@@ -270,19 +300,16 @@ impl Operator for OperatorService {
         req: Request<proto::MoveRequest>,
     ) -> Result<Response<proto::MoveResponse>, Status> {
         operators_only(&req)?;
-        let proto::MoveRequest { partition, to } = req.into_inner();
+        let proto::MoveRequest { partition, to, namespace } = req.into_inner();
         let (partition, name) = (PartitionId(partition), (!to.is_empty()).then_some(to));
+        let namespace = namespace_of(&namespace)?;
         self.node.ensure_leader()?;
         // Refused before the log by the very check apply makes.
-        self.node
-            .state
-            .read()
-            .expect("state lock poisoned")
-            .default_table()
+        table_of(&self.node.state.read().expect("state lock poisoned"), &namespace)?
             .check_pin(partition, name.as_deref())
             .map_err(CoordinatorError::from)?;
-        tracing::info!(partition = partition.0, to = ?name, "partition pinned at an operator's request");
-        match self.node.propose(Command::Pin { partition, name }).await? {
+        tracing::info!(%namespace, partition = partition.0, to = ?name, "partition pinned at an operator's request");
+        match self.node.propose_entry(Proposal::to(&namespace, Command::Pin { partition, name })).await? {
             SmResponse::Pinned { was } => {
                 Ok(Response::new(proto::MoveResponse { was: was.unwrap_or_default() }))
             }
@@ -314,5 +341,72 @@ impl Operator for OperatorService {
         tracing::info!(node = id, "removing a member");
         self.node.raft.change_membership(change, false).await.map_err(change_failed)?;
         Ok(Response::new(self.members()))
+    }
+
+    async fn create_namespace(
+        &self,
+        req: Request<proto::CreateNamespaceRequest>,
+    ) -> Result<Response<proto::NamespaceInfo>, Status> {
+        operators_only(&req)?;
+        let proto::CreateNamespaceRequest { name, partition_count, lease_ttl_ms, max_revoking } =
+            req.into_inner();
+        // An empty name is not the default namespace here: a creation names what it creates.
+        let namespace = Namespace::new(&name).map_err(CoordinatorError::from)?;
+        self.node.ensure_leader()?;
+        // Refused before the log by the very checks apply makes.
+        crate::keyspace::KeySpace::new(partition_count)
+            .map_err(|e| CoordinatorError::from(Rejection::InvalidConfig(e.to_string())))?;
+        crate::ownership::check_lease_ttl(lease_ttl_ms).map_err(CoordinatorError::from)?;
+        crate::ownership::check_revoke_budget(max_revoking).map_err(CoordinatorError::from)?;
+        {
+            let applied = self.node.state.read().expect("state lock poisoned");
+            if applied.table(&namespace).is_none() {
+                applied.namespaces.check_room_for(partition_count).map_err(CoordinatorError::from)?;
+            }
+        }
+        tracing::info!(%namespace, partition_count, lease_ttl_ms, ?max_revoking, "creating a namespace at an operator's request");
+        let configure = Command::Configure { partition_count, lease_ttl_ms, max_revoking };
+        match self.node.propose_entry(Proposal::to(&namespace, configure)).await? {
+            SmResponse::Configured => {
+                let applied = self.node.state.read().expect("state lock poisoned");
+                let table = table_of(&applied, &namespace)?;
+                Ok(Response::new(namespace_info(&namespace, table)))
+            }
+            other => Err(unexpected(other)),
+        }
+    }
+
+    async fn list_namespaces(
+        &self,
+        req: Request<proto::ListNamespacesRequest>,
+    ) -> Result<Response<proto::ListNamespacesResponse>, Status> {
+        operators_only(&req)?;
+        let applied = self.node.state.read().expect("state lock poisoned");
+        let namespaces = applied.namespaces.iter().map(|(ns, table)| namespace_info(ns, table)).collect();
+        Ok(Response::new(proto::ListNamespacesResponse { namespaces, answered_by: self.node.config.id }))
+    }
+
+    async fn delete_namespace(
+        &self,
+        req: Request<proto::DeleteNamespaceRequest>,
+    ) -> Result<Response<proto::DeleteNamespaceResponse>, Status> {
+        operators_only(&req)?;
+        let namespace = Namespace::new(&req.into_inner().name).map_err(CoordinatorError::from)?;
+        self.node.ensure_leader()?;
+        // Refused before the log by the very check apply makes.
+        self.node
+            .state
+            .read()
+            .expect("state lock poisoned")
+            .namespaces
+            .check_delete(&namespace)
+            .map_err(CoordinatorError::from)?;
+        tracing::info!(%namespace, "deleting a namespace at an operator's request");
+        match self.node.propose_entry(Proposal::DeleteNamespace { namespace }).await? {
+            SmResponse::NamespaceDeleted { partitions } => {
+                Ok(Response::new(proto::DeleteNamespaceResponse { partitions }))
+            }
+            other => Err(unexpected(other)),
+        }
     }
 }

@@ -198,7 +198,9 @@ fn view(node: &Node, recent: &Mutex<VecDeque<Decision>>, summary: &Summary) -> V
         .map_or(0, |c| c.partition_count);
     let exact = count as usize <= EXACT_LIMIT;
     let request = proto::StatusRequest { omit_partitions: !exact, ..Default::default() };
-    let status = status_of(node, &request);
+    // The page shows the default namespace, which always exists.
+    let default = crate::ownership::Namespace::default_namespace();
+    let status = status_of(node, &default, &request).expect("the default namespace always exists");
     let metrics = node.raft.metrics().borrow().clone();
     let (voters, buckets) = {
         let applied = node.state.read().expect("state lock poisoned");

@@ -26,6 +26,6 @@ pub use log_store::LogStore;
 pub use replay::{replay_applied, ReplayError, ReplayedEntry};
 pub use session_fan_out::{Delivery, SessionEvents, SessionFanOut};
 pub use state_machine::{
-    check_snapshot, decode_table_snapshot, encode_table_snapshot, AppliedEvent, SharedState,
+    check_snapshot, decode_table_snapshot, encode_table_snapshot, Applied, AppliedEvent, SharedState,
     StateMachineStore,
 };

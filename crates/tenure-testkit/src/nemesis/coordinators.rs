@@ -93,7 +93,7 @@ impl Coordinators {
             Coordinators::InProcess(c) => c.client(),
             Coordinators::Processes(c) => c.client(),
         };
-        let request = proto::DrainRequest { name: name.into() };
+        let request = proto::DrainRequest { name: name.into(), ..Default::default() };
         let drained = client
             .call_on(|channel| {
                 let request = request.clone();
@@ -129,23 +129,25 @@ impl Coordinators {
                 client
                     .call_on(|channel| async move {
                         OperatorClient::new(channel)
-                            .set_maintenance(proto::SetMaintenanceRequest { on })
+                            .set_maintenance(proto::SetMaintenanceRequest { on, ..Default::default() })
                             .await
                     })
                     .await
                     .map(drop)
             }
             Operation::LeaseTtl(lease_ttl_ms) => {
-                let request = proto::SetLeaseTtlRequest { lease_ttl_ms: *lease_ttl_ms };
+                let request = proto::SetLeaseTtlRequest { lease_ttl_ms: *lease_ttl_ms, ..Default::default() };
                 client
-                    .call_on(
-                        |channel| async move { OperatorClient::new(channel).set_lease_ttl(request).await },
-                    )
+                    .call_on(|channel| {
+                        let request = request.clone();
+                        async move { OperatorClient::new(channel).set_lease_ttl(request).await }
+                    })
                     .await
                     .map(drop)
             }
             Operation::Weight(name, weight) => {
-                let request = proto::SetWeightRequest { name: name.clone(), weight: *weight };
+                let request =
+                    proto::SetWeightRequest { name: name.clone(), weight: *weight, ..Default::default() };
                 client
                     .call_on(|channel| {
                         let request = request.clone();

@@ -46,6 +46,7 @@ use crate::history::{self, Committed, Fault, FinalRow, History, Report, Resumed,
 use crate::ids::{FencingToken, NodeId, PartitionId, SessionId};
 use crate::nemesis::workload::{Action, LocalSink, SlotTask, Stall, View};
 use crate::nemesis::{Clock, JournaledStore};
+use crate::ownership::Namespace;
 use crate::raft::Member;
 use crate::server::{self, NodeConfig};
 use rand::rngs::StdRng;
@@ -151,6 +152,11 @@ pub struct SimConfig {
     /// The cluster's revoke budget: odd seeds have one of 1 or 2 partitions, so moves come in
     /// waves through every fault, leader changes among them.
     pub max_revoking: Option<u32>,
+    /// The namespace the workload runs in. One seed in three runs it in a namespace of its own
+    /// (`sim-job`, which the operator creates with the settings above once a leader is up),
+    /// beside an idle default namespace: every fault then acts on a table that is not the one
+    /// the leader configures itself. `None`: the default namespace.
+    pub namespace: Option<String>,
 }
 
 impl SimConfig {
@@ -167,6 +173,7 @@ impl SimConfig {
             fencing: true,
             faults: SimFault::ALL.to_vec(),
             max_revoking: (seed % 2 == 1).then_some(1 + (seed / 2 % 2) as u32),
+            namespace: (seed % 3 == 1).then(|| "sim-job".to_string()),
         }
     }
 
@@ -329,7 +336,7 @@ pub fn run(config: &SimConfig, dir: &Path) -> Result<SimOutcome, SimError> {
     let operator_tls = ca
         .client_tls(&crate::tls::Principal::Operator(OPERATOR.into()))
         .map_err(|e| SimError::Setup(e.to_string()))?;
-    add_operator(&mut sim, &peers, &shared, operator_tls);
+    add_operator(&mut sim, config, &peers, &shared, operator_tls);
     let mut driver = Driver { sim, config, shared, views, pauses, ids };
 
     // Faults start from a settled table.
@@ -408,6 +415,7 @@ fn add_node(
     data_dir: PathBuf,
     shared: &Shared,
 ) {
+    let namespace = workload_namespace(config);
     let mut node_config = NodeConfig::new(id, peers.clone(), data_dir);
     node_config.tls = Some(tls);
     node_config.partition_count = config.partition_count;
@@ -420,7 +428,7 @@ fn add_node(
     node_config.dialer = net::dialer();
     let shared = shared.clone();
     sim.host(node_name(id), move || {
-        let (mut node_config, shared) = (node_config.clone(), shared.clone());
+        let (mut node_config, shared, namespace) = (node_config.clone(), shared.clone(), namespace.clone());
         if let Some(ttl) = shared.flags.lock().expect("flags").get(&id) {
             node_config.lease_ttl = *ttl;
         }
@@ -453,6 +461,11 @@ fn add_node(
                             }
                             Err(_) => continue,
                         };
+                        // Only the workload's namespace is recorded: another's partitions are
+                        // other partitions under the same numbers.
+                        if entry.namespace != namespace && !entry.snapshot {
+                            continue;
+                        }
                         if entry.snapshot {
                             let after = crate::recording::highest_index(&shared.committed.lock().expect("committed"), id);
                             shared.resumed.lock().expect("resumed").push(Resumed { node: id, index: entry.index, after });
@@ -463,7 +476,7 @@ fn add_node(
                         committed.extend(crate::recording::committed(id, entry.index, at_ns, &entry.events));
                     }
                     _ = publish.tick() => {
-                        let published = publish_state(&node);
+                        let published = publish_state(&node, &namespace);
                         shared.published.lock().expect("published").insert(id, published);
                     }
                 }
@@ -472,10 +485,21 @@ fn add_node(
     });
 }
 
-fn publish_state(node: &server::RunningNode) -> Published {
+/// The namespace a run's workload is in.
+fn workload_namespace(config: &SimConfig) -> Namespace {
+    match &config.namespace {
+        Some(name) => Namespace::new(name).expect("a valid namespace name"),
+        None => Namespace::default_namespace(),
+    }
+}
+
+fn publish_state(node: &server::RunningNode, namespace: &Namespace) -> Published {
     let metrics = node.raft().metrics().borrow().clone();
     let applied = node.node.state.read().expect("state lock poisoned");
-    let rows = crate::recording::final_table(applied.default_table());
+    // Before the workload's namespace exists: an empty table with no session, never settled.
+    let empty = tenure_coordinator::ownership::OwnershipState::default();
+    let table = applied.table(namespace).unwrap_or(&empty);
+    let rows = crate::recording::final_table(table);
     Published {
         leader: metrics.current_leader == Some(node.node.config.id)
             && metrics.state == openraft::ServerState::Leader,
@@ -483,16 +507,9 @@ fn publish_state(node: &server::RunningNode) -> Published {
         last_applied: applied.last_applied.map(|l| l.index).unwrap_or(0),
         rows,
         // Still moving: something is revoking, or the leader has a placement still to decide.
-        revoking: applied.default_table().partitions().iter().any(|r| r.revoking)
-            || tenure_coordinator::planner::plan(applied.default_table(), &node.node.config.placement)
-                .is_some(),
-        sessions: applied
-            .default_table()
-            .sessions()
-            .iter()
-            .filter(|(_, s)| !s.leaving)
-            .map(|(id, _)| *id)
-            .collect(),
+        revoking: table.partitions().iter().any(|r| r.revoking)
+            || tenure_coordinator::planner::plan(table, &node.node.config.placement).is_some(),
+        sessions: table.sessions().iter().filter(|(_, s)| !s.leaving).map(|(id, _)| *id).collect(),
     }
 }
 
@@ -514,7 +531,9 @@ fn add_worker(
     let (store, pause, view, records, actions) =
         (store.clone(), pause.clone(), view.clone(), shared.worker_records.clone(), shared.actions.clone());
     let interval = config.write_interval;
+    let namespace = config.namespace.clone().unwrap_or_default();
     sim.host(name.clone(), move || {
+        let namespace = namespace.clone();
         let tls = tls.clone();
         let (name, coordinators, store, view, records, actions) = (
             name.clone(),
@@ -533,6 +552,7 @@ fn add_worker(
             let (tx, rx) = tokio::sync::mpsc::channel(4);
             actions.lock().expect("actions").insert(n, tx);
             let mut config = crate::worker::WorkerConfig::new(coordinators, name);
+            config.namespace = namespace.clone();
             config.dial_from = Some(ip);
             config.tls = Some(tls);
             let mut task = SlotTask::new(config, store, sink, Clock::Simulated, interval)
@@ -552,25 +572,42 @@ const OPERATOR: &str = "op";
 /// trying again across leader changes for a bounded time, and reports what came of each.
 fn add_operator(
     sim: &mut turmoil::Sim<'_>,
+    config: &SimConfig,
     peers: &BTreeMap<NodeId, Member>,
     shared: &Shared,
     tls: crate::worker::ClientTls,
 ) {
     let coordinators: Vec<String> = peers.values().map(|m| m.client_addr.clone()).collect();
     let (requests, operated) = (shared.operator.clone(), shared.operated.clone());
+    let create = config.namespace.clone().map(|name| crate::proto::CreateNamespaceRequest {
+        name,
+        partition_count: config.partition_count,
+        lease_ttl_ms: config.lease_ttl.as_millis() as u64,
+        max_revoking: config.max_revoking,
+    });
+    let namespace = config.namespace.clone().unwrap_or_default();
     sim.host(OPERATOR, move || {
-        let (coordinators, requests, operated, tls) =
-            (coordinators.clone(), requests.clone(), operated.clone(), tls.clone());
+        let (coordinators, requests, operated, tls, create, namespace) = (
+            coordinators.clone(),
+            requests.clone(),
+            operated.clone(),
+            tls.clone(),
+            create.clone(),
+            namespace.clone(),
+        );
         async move {
             let ip = std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
             let client = crate::worker::Client::new(coordinators)?
                 .dialing_from(Some(ip))
                 .dialing_with(net::dialer())
                 .with_tls(Some(tls));
+            if let Some(create) = create {
+                create_namespace(&client, create).await?;
+            }
             let (tx, mut rx) = tokio::sync::mpsc::channel(1);
             *requests.lock().expect("operator") = Some(tx);
             while let Some(lease_ttl_ms) = rx.recv().await {
-                let outcome = set_lease_ttl(&client, lease_ttl_ms).await;
+                let outcome = set_lease_ttl(&client, &namespace, lease_ttl_ms).await;
                 operated.lock().expect("operated").push(outcome);
             }
             Ok(())
@@ -578,14 +615,47 @@ fn add_operator(
     });
 }
 
+/// The workload's namespace, created before any fault: tried again until a leader takes it,
+/// for up to twenty seconds (a restarted operator host finds it made, which changes nothing).
+async fn create_namespace(
+    client: &crate::worker::Client,
+    request: crate::proto::CreateNamespaceRequest,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use crate::proto::operator_client::OperatorClient;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let request = request.clone();
+        let made = client
+            .call_on(|channel| {
+                let request = request.clone();
+                async move { OperatorClient::new(channel).create_namespace(request).await }
+            })
+            .await;
+        match made {
+            Ok(_) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(format!("could not create the workload's namespace: {e}").into())
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
 /// One `SetLeaseTtl`, tried again (a node down, an election) for up to ten seconds.
-async fn set_lease_ttl(client: &crate::worker::Client, lease_ttl_ms: u64) -> Result<u64, String> {
+async fn set_lease_ttl(
+    client: &crate::worker::Client,
+    namespace: &str,
+    lease_ttl_ms: u64,
+) -> Result<u64, String> {
     use crate::proto::operator_client::OperatorClient;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let request = crate::proto::SetLeaseTtlRequest { lease_ttl_ms };
+        let request = crate::proto::SetLeaseTtlRequest { lease_ttl_ms, namespace: namespace.to_string() };
         let made = client
-            .call_on(|channel| async move { OperatorClient::new(channel).set_lease_ttl(request).await })
+            .call_on(|channel| {
+                let request = request.clone();
+                async move { OperatorClient::new(channel).set_lease_ttl(request).await }
+            })
             .await;
         match made {
             Ok(reply) => return Ok(reply.was_ms),
