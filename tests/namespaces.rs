@@ -164,6 +164,14 @@ async fn namespaces_are_separate_jobs_on_one_cluster_from_creation_to_deletion()
     // Emptied, then deleted; its name is free and a new namespace under it starts afresh, with
     // tokens above every token the old one gave.
     let highest_old = alone.partitions.iter().map(|r| r.token).max().unwrap();
+    // A front-end following billing's routes sees its 8 rows, then the stream ends with it.
+    let leader = c.leader().expect("a leader");
+    let request = proto::RoutesRequest { namespace: "billing".into() };
+    let mut routes = api_client(&c, leader).await.routes(request).await.expect("routes").into_inner();
+    for _ in 0..8 {
+        let row = routes.message().await.expect("a row").expect("the stream lives");
+        assert_eq!((row.partition_count, row.session_id), (8, b.session().0));
+    }
     b.leave().await.expect("b leaves");
     let gone =
         eventually("billing has no session left", || {
@@ -174,6 +182,18 @@ async fn namespaces_are_separate_jobs_on_one_cluster_from_creation_to_deletion()
         })
         .await;
     assert_eq!(gone.into_inner().partitions, 8);
+    let ended = tokio::time::timeout(PATIENCE, async {
+        loop {
+            match routes.message().await {
+                Ok(Some(row)) => assert_eq!(row.partition_count, 8, "only billing's rows: {row:?}"),
+                Ok(None) => panic!("the route stream ended without saying why"),
+                Err(status) => return status,
+            }
+        }
+    })
+    .await
+    .expect("the route stream ends once billing is deleted");
+    assert_eq!((ended.code(), kind(&ended)), (Code::NotFound, "unknown_namespace"));
     let listed = ops.list_namespaces(proto::ListNamespacesRequest {}).await.unwrap().into_inner();
     assert_eq!(listed.namespaces.iter().map(|n| n.name.as_str()).collect::<Vec<_>>(), ["default"]);
     let missing = c

@@ -620,7 +620,10 @@ impl Coordinator for CoordinatorService {
                             .collect()
                     })
                 };
-                let Some(rows) = rows else {
+                // A namespace deleted (and perhaps made again) is not the table this stream
+                // began with: its follower must start over, if there is anything to follow.
+                let deleted = applied.events.iter().any(|e| matches!(e, Event::NamespaceDeleted));
+                let Some(rows) = rows.filter(|_| !deleted) else {
                     let gone = CoordinatorError::Rejected(Rejection::UnknownNamespace(namespace.to_string()));
                     send_or_stop(&tx, Err(gone.into()), &node.stopping).await;
                     return;
