@@ -615,54 +615,52 @@ fn add_operator(
     });
 }
 
-/// The workload's namespace, created before any fault: tried again until a leader takes it,
-/// for up to twenty seconds (a restarted operator host finds it made, which changes nothing).
-async fn create_namespace(
+/// One operator call, tried again every 100 ms (a node down, an election) for up to `bound`.
+async fn operate<R, T, F, Fut>(
     client: &crate::worker::Client,
-    request: crate::proto::CreateNamespaceRequest,
-) -> Result<(), Box<dyn std::error::Error>> {
+    bound: Duration,
+    request: R,
+    call: F,
+) -> Result<T, String>
+where
+    R: Clone,
+    F: Fn(crate::proto::operator_client::OperatorClient<tonic::transport::Channel>, R) -> Fut,
+    Fut: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
     use crate::proto::operator_client::OperatorClient;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + bound;
     loop {
-        let request = request.clone();
-        let made = client
-            .call_on(|channel| {
-                let request = request.clone();
-                async move { OperatorClient::new(channel).create_namespace(request).await }
-            })
-            .await;
+        let made = client.call_on(|channel| call(OperatorClient::new(channel), request.clone())).await;
         match made {
-            Ok(_) => return Ok(()),
-            Err(e) if tokio::time::Instant::now() >= deadline => {
-                return Err(format!("could not create the workload's namespace: {e}").into())
-            }
+            Ok(reply) => return Ok(reply),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e.to_string()),
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
 }
 
-/// One `SetLeaseTtl`, tried again (a node down, an election) for up to ten seconds.
+/// The workload's namespace, created before any fault, for up to twenty seconds (a restarted
+/// operator host finds it made, which changes nothing).
+async fn create_namespace(
+    client: &crate::worker::Client,
+    request: crate::proto::CreateNamespaceRequest,
+) -> Result<(), Box<dyn std::error::Error>> {
+    operate(client, Duration::from_secs(20), request, |mut c, r| async move { c.create_namespace(r).await })
+        .await
+        .map(drop)
+        .map_err(|e| format!("could not create the workload's namespace: {e}").into())
+}
+
+/// One `SetLeaseTtl`, for up to ten seconds.
 async fn set_lease_ttl(
     client: &crate::worker::Client,
     namespace: &str,
     lease_ttl_ms: u64,
 ) -> Result<u64, String> {
-    use crate::proto::operator_client::OperatorClient;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let request = crate::proto::SetLeaseTtlRequest { lease_ttl_ms, namespace: namespace.to_string() };
-        let made = client
-            .call_on(|channel| {
-                let request = request.clone();
-                async move { OperatorClient::new(channel).set_lease_ttl(request).await }
-            })
-            .await;
-        match made {
-            Ok(reply) => return Ok(reply.was_ms),
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e.to_string()),
-            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    }
+    let request = crate::proto::SetLeaseTtlRequest { lease_ttl_ms, namespace: namespace.to_string() };
+    let set =
+        operate(client, Duration::from_secs(10), request, |mut c, r| async move { c.set_lease_ttl(r).await });
+    set.await.map(|reply| reply.was_ms)
 }
 
 /// The freeze of a worker: when one is asked for, hold the worker between its check and its
