@@ -144,8 +144,7 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                 if proposing.is_some() || node.draining.is_cancelled() {
                     continue;
                 }
-                let applied = node.state.read().expect("state lock poisoned");
-                let index = applied.last_applied.map_or(0, |l| l.index);
+                let index = node.state.read().expect("state lock poisoned").last_applied.map_or(0, |l| l.index);
                 let now = Instant::now();
                 let due: Vec<(Namespace, Due)> = match node.leases.lock().expect("lease lock poisoned").as_mut() {
                     Some(leadership) if Some(leadership.term) == leading_term => {
@@ -158,7 +157,6 @@ pub(crate) async fn run_duties(node: Arc<Node>, cancel: CancellationToken) {
                     }
                     _ => continue,
                 };
-                drop(applied);
                 if !due.is_empty() {
                     proposing = Some(Box::pin(propose_expiries(node.clone(), due)));
                 }
