@@ -110,3 +110,73 @@ impl Leadership {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! A term's tables, made when the term begins or later, never expire anything early.
+
+    use super::*;
+    use crate::ids::SessionId;
+    use crate::ownership::{Command, Proposal, Response, SecretHash};
+
+    fn ns(name: &str) -> Namespace {
+        Namespace::new(name).expect("a valid name")
+    }
+
+    fn configure(state: &mut Applied, index: u64, namespace: &Namespace, lease_ttl_ms: u64) {
+        let command = Command::Configure { partition_count: 4, lease_ttl_ms, max_revoking: None };
+        let (response, _) = state.namespaces.apply(index, &Proposal::to(namespace, command));
+        assert_eq!(response, Response::Configured);
+    }
+
+    fn join(state: &mut Applied, index: u64, namespace: &Namespace) -> SessionId {
+        let command = Command::Join { name: "w".into(), weight: 1, secret: SecretHash::of("secret") };
+        match state.namespaces.apply(index, &Proposal::to(namespace, command)).0 {
+            Response::Joined { session, .. } => session,
+            other => panic!("join refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_table_made_late_runs_its_ttl_from_then_and_waits_for_the_terms_log() {
+        let (default, billing) = (Namespace::default_namespace(), ns("billing"));
+        let mut state = Applied::default();
+        configure(&mut state, 1, &default, 1000);
+        let start = Instant::now();
+        // The term began with its log at index 10.
+        let mut leadership = Leadership::new(7, start, &state, Duration::from_millis(1000), 10);
+        // A namespace and a session the term's table never saw, applied five seconds later.
+        configure(&mut state, 2, &billing, 2000);
+        let session = join(&mut state, 3, &billing);
+        let made = start + Duration::from_secs(5);
+        let table = leadership.table_mut(made, &billing, state.table(&billing).expect("created"));
+        assert_eq!(table.ttl(), Duration::from_millis(2000), "the namespace's TTL, not the node's");
+        assert!(table.due(made + Duration::from_secs(60)).is_empty(), "held until index 10 is applied");
+        leadership.applied(10);
+        let table = leadership.table_mut(made, &billing, state.table(&billing).expect("created"));
+        assert!(
+            table.due(made + Duration::from_millis(1999)).is_empty(),
+            "a whole TTL from when it was made"
+        );
+        assert_eq!(table.due(made + Duration::from_millis(2001)).sessions, vec![session]);
+    }
+
+    #[test]
+    fn a_deleted_namespace_loses_its_table_and_a_reset_makes_none_for_it() {
+        let (default, scratch) = (Namespace::default_namespace(), ns("scratch"));
+        let mut state = Applied::default();
+        configure(&mut state, 1, &default, 1000);
+        configure(&mut state, 2, &scratch, 1000);
+        let now = Instant::now();
+        let mut leadership = Leadership::new(3, now, &state, Duration::from_millis(1000), 0);
+        assert!(leadership.table(&scratch).is_some(), "a table for every namespace at the start");
+        let (response, _) =
+            state.namespaces.apply(4, &Proposal::DeleteNamespace { namespace: scratch.clone() });
+        assert_eq!(response, Response::NamespaceDeleted { partitions: 4 });
+        leadership.forget(&scratch);
+        assert!(leadership.table(&scratch).is_none());
+        leadership.reset(now, &state);
+        assert!(leadership.table(&scratch).is_none(), "a reset makes tables for what the state holds");
+        assert!(leadership.table(&default).is_some());
+    }
+}
