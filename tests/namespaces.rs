@@ -101,6 +101,43 @@ async fn namespaces_are_separate_jobs_on_one_cluster_from_creation_to_deletion()
     let clash = ops.create_namespace(create("billing", 16, 2000)).await.unwrap_err();
     assert_eq!((clash.code(), kind(&clash)), (Code::FailedPrecondition, "config_mismatch"));
 
+    // A hostile or confused client: a name of 100 KB is refused without being echoed back, and
+    // a session's secret does not open the session of the same number in another namespace.
+    let leader = c.leader().expect("a leader");
+    let mut raw = api_client_as(&c, leader, &Principal::Worker("raw".into())).await;
+    let huge = proto::JoinRequest { name: "raw".into(), weight: 1, namespace: "a".repeat(100_000) };
+    let refused = raw.join(huge).await.unwrap_err();
+    assert_eq!((refused.code(), kind(&refused)), (Code::InvalidArgument, "invalid_namespace"));
+    assert!(refused.message().len() < 500, "{} bytes of error", refused.message().len());
+    let join_in =
+        |namespace: &str| proto::JoinRequest { name: "raw".into(), weight: 1, namespace: namespace.into() };
+    let in_default = raw.join(join_in("")).await.expect("joins default").into_inner();
+    let in_billing = raw.join(join_in("billing")).await.expect("joins billing").into_inner();
+    assert_eq!(in_default.session_id, in_billing.session_id, "session numbers belong to their namespace");
+    assert_eq!(in_billing.partition_count, 8);
+    let beat = |joined: &proto::JoinResponse, namespace: &str| proto::HeartbeatRequest {
+        session_id: joined.session_id,
+        secret: joined.secret.clone(),
+        namespace: namespace.into(),
+        ..Default::default()
+    };
+    raw.heartbeat(beat(&in_billing, "billing")).await.expect("billing's session renews in billing");
+    let crossed = raw.heartbeat(beat(&in_default, "billing")).await.unwrap_err();
+    assert_eq!((crossed.code(), kind(&crossed)), (Code::PermissionDenied, "wrong_secret"), "{crossed:?}");
+    for (joined, namespace) in [(&in_default, ""), (&in_billing, "billing")] {
+        let (session_id, secret) = (joined.session_id, joined.secret.clone());
+        let leave = proto::LeaveRequest { session_id, secret: secret.clone(), namespace: namespace.into() };
+        raw.leave(leave).await.expect("leaves");
+        let all = proto::ReleaseRequest {
+            session_id,
+            secret,
+            all: true,
+            namespace: namespace.into(),
+            ..Default::default()
+        };
+        let _ = raw.release(all).await; // the last release may end the session before it answers
+    }
+
     // One worker name in both namespaces, as one process may be; a second worker in billing.
     let a = Worker::join(c.worker_config("shared-name")).await.expect("joins default");
     let b = Worker::join(config_in(&c, "shared-name", "billing")).await.expect("joins billing");

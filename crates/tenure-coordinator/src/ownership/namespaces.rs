@@ -45,8 +45,13 @@ impl Namespace {
         let valid_char = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '_';
         let starts_well = name.chars().next().is_some_and(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
         if name.len() > MAX_NAMESPACE_BYTES || !starts_well || !name.chars().all(valid_char) {
+            // A name far too long is not echoed back: a hostile client could send megabytes.
+            let shown = match name.len() > MAX_NAMESPACE_BYTES {
+                true => format!("a name of {} bytes", name.len()),
+                false => format!("{name:?}"),
+            };
             return Err(Rejection::InvalidNamespace(format!(
-                "{name:?}: a namespace is 1 to {MAX_NAMESPACE_BYTES} bytes of a-z, 0-9, '-' and '_', \
+                "{shown}: a namespace is 1 to {MAX_NAMESPACE_BYTES} bytes of a-z, 0-9, '-' and '_', \
                  starting with a letter or digit"
             )));
         }

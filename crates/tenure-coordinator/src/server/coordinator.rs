@@ -609,9 +609,12 @@ impl Coordinator for CoordinatorService {
                 if applied.index <= from_index || applied.namespace != namespace {
                     continue;
                 }
+                // A namespace deleted (and perhaps made again) is not the table this stream
+                // began with: its follower must start over, if there is anything to follow.
+                let deleted = applied.events.iter().any(|e| matches!(e, Event::NamespaceDeleted));
                 let rows: Option<Vec<proto::RouteUpdate>> = {
                     let state = node.state.read().expect("state lock poisoned");
-                    state.table(&namespace).map(|table| {
+                    state.table(&namespace).filter(|_| !deleted).map(|table| {
                         applied
                             .events
                             .iter()
@@ -620,10 +623,7 @@ impl Coordinator for CoordinatorService {
                             .collect()
                     })
                 };
-                // A namespace deleted (and perhaps made again) is not the table this stream
-                // began with: its follower must start over, if there is anything to follow.
-                let deleted = applied.events.iter().any(|e| matches!(e, Event::NamespaceDeleted));
-                let Some(rows) = rows.filter(|_| !deleted) else {
+                let Some(rows) = rows else {
                     let gone = CoordinatorError::Rejected(Rejection::UnknownNamespace(namespace.to_string()));
                     send_or_stop(&tx, Err(gone.into()), &node.stopping).await;
                     return;

@@ -338,10 +338,9 @@ fn observe(node: &Node, applied: &AppliedEvent) {
     let mut leases = node.leases.lock().expect("lease lock poisoned");
     if let Some(leadership) = leases.as_mut() {
         let deleted = applied.events.iter().any(|e| matches!(e, Event::NamespaceDeleted));
-        match state.table(&applied.namespace) {
-            // Deleted (and perhaps created again since, which that entry's events will say):
-            // its leases go with it.
-            _ if deleted => leadership.forget(&applied.namespace),
+        // Deleted (and perhaps created again since, which that entry's events will say): its
+        // leases go with it.
+        match state.table(&applied.namespace).filter(|_| !deleted) {
             None => leadership.forget(&applied.namespace),
             Some(table) => {
                 let now = Instant::now();
